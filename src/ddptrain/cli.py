@@ -1,0 +1,205 @@
+"""The `ddptrain` command. Every subcommand is a plain function that tests can call.
+
+    ddptrain train                                   # one process (CPU or one GPU)
+    ddptrain train -c cfg.yaml train.max_steps=100   # YAML plus dotted overrides
+    torchrun --nproc-per-node 2 -m ddptrain train    # two ranks on this machine
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HEAD:29500 --rdzv-id job1 -m ddptrain train -c cfg.yaml   # on each node
+    ddptrain prepare [FILES/GLOBS...] --out data/mine
+    ddptrain export runs/default --out model.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddptrain.checkpoint import Checkpointer, committed_checkpoints, checkpoint_name, load_file, verify_checkpoint
+from ddptrain.config import Config, DataConfig, describe_fields, load_config
+from ddptrain.data import build_datasets
+from ddptrain.data.corpus import corpus_ready, expand_sources, prepare_corpus, stdlib_sources
+from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
+from ddptrain.errors import CheckpointError, DataError, UserError
+from ddptrain.metrics import MetricsWriter, Progress
+from ddptrain.models import build_model
+from ddptrain.rng import seed_everything
+from ddptrain.trainer import CheckpointSaveError, NonFiniteError, Trainer
+
+DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
+
+
+# ---- subcommands ------------------------------------------------------------------------------
+
+
+def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
+    """Train per the config on this process's share of the job; returns the exit code."""
+    cfg = load_config(config, list(overrides))
+    env = read_torchrun_env()
+    cfg.grad_accum_steps(env[1] if env else 1)  # fail on an indivisible batch before any rendezvous
+    ctx = init_distributed(cfg.dist)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        close_distributed(ctx)
+
+
+def _train(cfg: Config, ctx: DistContext) -> int:
+    run_dir = cfg.run_dir
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    _ensure_default_corpus(cfg, ctx)
+    seed_everything(cfg.run.seed)
+    train_set, val_set = build_datasets(cfg)
+    model = build_model(cfg.model)  # same seed on every rank: identical init (DDP also broadcasts it)
+    seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
+    metrics = MetricsWriter(run_dir, ctx.is_main, cfg.log.tensorboard)
+    progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, cfg.model_dump(mode="json", by_alias=True))
+    trainer = Trainer(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
+    try:
+        found = checkpointer.find_resume(progress.message)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if found:
+            path, manifest = found
+            trainer.resume(path, manifest)
+            progress.message(
+                f"resuming from {path} (step {trainer.step}; saved at world size {manifest['world_size']}, "
+                f"now {ctx.world_size}, grad accumulation {trainer.accum})"
+            )
+        progress.message(
+            f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
+            f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x {trainer.accum}, "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, run dir {run_dir}"
+        )
+        metrics.write("event", event="resume" if found else "start", step=trainer.step, world_size=ctx.world_size,
+                      grad_accum=trainer.accum, restart_count=restarts, host=ctx.hostname)
+        trainer.fit()
+        progress.close()
+        progress.message(f"done: {trainer.step} steps; checkpoints in {run_dir / 'checkpoints'}")
+        return 0
+    except (NonFiniteError, CheckpointSaveError) as e:
+        progress.close()
+        progress.message(f"error: {e}")
+        metrics.write("event", event="stopped", step=trainer.step, reason=str(e))
+        return 1
+    finally:
+        checkpointer.wait()
+        metrics.close()
+        progress.close()
+
+
+def _ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
+    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait)."""
+    if cfg.data.target is not None or cfg.data.dir != DEFAULT_DATA_DIR:
+        return
+    data_dir = Path(cfg.data.dir)
+    error: str | None = None
+    if ctx.local_rank == 0 and not corpus_ready(data_dir):
+        if ctx.is_main:
+            print(f"preparing the default corpus (Python standard library sources) into {data_dir}", flush=True)
+        try:
+            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction)
+        except (DataError, OSError) as e:
+            error = str(e)
+    # Every rank learns whether preparation failed; nobody waits on a rank that gave up.
+    if any_rank(ctx, error is not None):
+        raise DataError(error or f"preparing the default corpus in {data_dir} failed on another rank")
+
+
+def prepare(sources: Sequence[str], out: str, val_fraction: float) -> int:
+    """Build a byte-level corpus from files/globs (default: the Python standard library)."""
+    files = expand_sources(list(sources)) if sources else stdlib_sources()
+    info = prepare_corpus(files, Path(out), val_fraction)
+    print(f"prepared {info.files} files into {info.out_dir}: {info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens")
+    return 0
+
+
+def export(run_dir: str, out: str, step: int | None = None) -> int:
+    """Write a checkpoint's plain model weights (safetensors) and the model config beside them."""
+    from safetensors.torch import save_file
+
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    if step is not None:
+        path = ckpt_dir / checkpoint_name(step)
+        if not path.is_dir():
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}")
+        manifest = verify_checkpoint(path)
+    else:
+        candidates = committed_checkpoints(ckpt_dir)
+        if not candidates:
+            raise CheckpointError(f"no committed checkpoint in {ckpt_dir}")
+        path, manifest = None, None
+        for candidate in candidates:
+            try:
+                manifest, path = verify_checkpoint(candidate), candidate
+                break
+            except CheckpointError as e:
+                print(f"warning: checkpoint rejected: {e}", file=sys.stderr)
+        if path is None or manifest is None:
+            raise CheckpointError(f"every checkpoint in {ckpt_dir} failed verification")
+    state = load_file(path, "model.pt")
+    # safetensors stores no aliases: tied weights (wte / lm_head) become two plain copies.
+    tensors = {k: v.detach().clone().contiguous() for k, v in state.items()}
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    model_cfg = manifest["config"]["model"]
+    save_file(tensors, str(out_path), metadata={"ddptrain_step": str(manifest["step"]), "ddptrain_model": json.dumps(model_cfg)})
+    out_path.with_suffix(".json").write_text(json.dumps({"model": model_cfg, "step": manifest["step"], "checkpoint": path.name}, indent=2))
+    print(f"exported {path.name} ({len(tensors)} tensors) to {out_path} and {out_path.with_suffix('.json')}")
+    return 0
+
+
+# ---- argument parsing -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train (one process, or one rank under torchrun)")
+    t.add_argument("-c", "--config", help="YAML config file (default: the built-in defaults)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+
+    pr = sub.add_parser("prepare", help="prepare a byte-level token corpus from text files")
+    pr.add_argument("sources", nargs="*", help="files, folders or globs (default: the Python standard library's sources)")
+    pr.add_argument("--out", default=DEFAULT_DATA_DIR, help=f"output folder (default {DEFAULT_DATA_DIR})")
+    pr.add_argument("--val-fraction", type=float, default=DataConfig.model_fields["val_fraction"].default)
+
+    e = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
+    e.add_argument("run_dir")
+    e.add_argument("--out", required=True, help="output .safetensors file (the model config goes beside it as .json)")
+    e.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+    return p
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        if args.help_config:
+            print(describe_fields())
+            return 0
+        return train(args.config, args.overrides)
+    if args.command == "prepare":
+        return prepare(args.sources, args.out, args.val_fraction)
+    if args.command == "export":
+        return export(args.run_dir, args.out, args.step)
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, run, and turn user errors into exit code 2 with one message."""
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except UserError as e:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{prefix}ddptrain {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,108 @@
+"""Metrics sinks and terminal progress. Only rank 0 writes shared files or prints.
+
+`metrics.jsonl` gets one JSON object per logged step (`"kind": "train"`), per evaluation
+(`"kind": "eval"`), and per notable event (`"kind": "event"`: start, resume, checkpoint, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf: write them as strings so the file stays parseable everywhere.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsWriter:
+    """Appends records to run.dir/metrics.jsonl (and TensorBoard when enabled)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._file: TextIO | None = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Line-buffered append: a crash loses at most the line being written, and a resumed
+        # run continues the same file.
+        self._file = open(self.path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional extra: ddptrain[tensorboard]
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, kind: str, **fields: Any) -> None:
+        """One record; numeric fields also go to TensorBoard under kind/name."""
+        if not self.enabled or self._file is None:
+            return
+        record = {"kind": kind, "time": round(time.time(), 3), **{k: _clean(v) for k, v in fields.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None and "step" in fields:
+            for k, v in fields.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(f"{kind}/{k}", v, fields["step"])
+
+    def close(self) -> None:
+        """Flush and close the sinks."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class Progress:
+    """A progress bar on a TTY, plain periodic lines otherwise (logs, CI, SLURM output)."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, stream: TextIO = sys.stdout) -> None:
+        self.enabled = enabled
+        self.stream = stream
+        self.bar = None
+        if enabled and stream.isatty():
+            self.bar = tqdm(total=total, initial=initial, file=stream, dynamic_ncols=True, unit="step")
+
+    def update(self, step: int, fields: dict[str, Any]) -> None:
+        """Show a logged step's headline numbers."""
+        if not self.enabled:
+            return
+        summary = "  ".join(_format(k, v) for k, v in fields.items())
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(summary, refresh=True)
+        else:
+            print(f"step {step:>6}  {summary}", file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line of text that does not break the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _format(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"{key} {value:.2e}"
+        return f"{key} {value:.4f}" if abs(value) < 100 else f"{key} {value:,.0f}"
+    return f"{key} {value}"
