@@ -1,0 +1,67 @@
+"""Helpers for tests that run the real `ddptrain` command, alone or under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddptrain.data.corpus import prepare_corpus
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+# A GPT small enough that a step takes milliseconds on one CPU core.
+TINY = [
+    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "data.micro_batch_size=4", "train.global_batch_size=8", "train.max_steps=6",
+    "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1", "ckpt.every_steps=3",
+]
+
+
+def prepare_tiny_corpus(out: Path) -> Path:
+    """A ~200 KB corpus from a few standard-library modules."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ("argparse.py", "typing.py", "inspect.py")]
+    prepare_corpus(files, out, val_fraction=0.1)
+    return out
+
+
+def env_for_subprocess(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: tests/ importable (for toy models), no inherited torchrun vars."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_ddptrain(args: list[str], *, nproc: int = 0, timeout: float = 120, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0."""
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "ddptrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "ddptrain", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd)
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
+    """The records of one kind from run_dir/metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Model weights of the newest committed checkpoint."""
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    return torch.load(ckpts[-1] / "model.pt", weights_only=True)

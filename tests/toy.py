@@ -1,0 +1,53 @@
+"""A model and dataset the package does not define, used through model.target / data.target.
+
+The dataset's items carry their sample id, and the model appends the ids it trains on to a file
+per rank, so tests can check which samples a run consumed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+
+class IdDataset(Dataset):
+    """n samples of (id, x, y) with y a fixed linear function of x plus noise."""
+
+    def __init__(self, n: int, dim: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+def build_datasets(n: int = 256, dim: int = 8) -> tuple[Dataset, Dataset]:
+    return IdDataset(n, dim, seed=0), IdDataset(64, dim, seed=1)
+
+
+class RecordingRegressor(nn.Module):
+    def __init__(self, dim: int, record_dir: str | None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.record = None
+        if record_dir:
+            Path(record_dir).mkdir(parents=True, exist_ok=True)
+            self.record = Path(record_dir) / f"ids-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.txt"
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.record is not None and self.training:
+            with open(self.record, "a") as f:
+                f.write(" ".join(map(str, ids.tolist())) + "\n")
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def build_model(dim: int = 8, record_dir: str | None = None) -> nn.Module:
+    return RecordingRegressor(dim, record_dir)
