@@ -1,0 +1,80 @@
+"""`ddptrain launch` option handling: the torchrun command it stands for, and its errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddptrain.cli import main
+from ddptrain.launch import default_run_id, exit_code_for, interface_of
+
+
+def dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["launch", "--dry-run", *args]) == 0
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_node_at_the_endpoint_hosts_the_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--nnodes", "2", "--rdzv-endpoint", "10.9.0.1:29500"]
+    host = dry_run(capsys, *common, "--node-addr", "10.9.0.1", "--", "train", "-c", "cfg.yaml", "train.max_steps=5")
+    other = dry_run(capsys, *common, "--node-addr", "10.9.0.2", "--", "train", "-c", "cfg.yaml", "train.max_steps=5")
+    assert "--rdzv-conf is_host=true," in host and "--local-addr 10.9.0.1" in host
+    assert "--rdzv-conf is_host=false," in other and "--local-addr 10.9.0.2" in other
+    run_id = default_run_id("10.9.0.1:29500")
+    for line in (host, other):  # the same id on every node, with nothing passed around
+        assert f"--rdzv-id {run_id}" in line
+        assert "--rdzv-backend c10d" in line and "SIGUSR1" in line
+        assert line.endswith("-m ddptrain train -c cfg.yaml train.max_steps=5")
+
+
+def test_dry_run_line_is_what_torchrun_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    line = dry_run(capsys, "--nnodes", "1:4", "--rdzv-endpoint", "127.0.0.1:29511", "--node-addr", "127.0.0.1",
+                   "--max-restarts", "5", "--run-id", "job7", "--", "train")
+    words = shlex.split(line)
+    env = dict(w.split("=", 1) for w in words[: words.index("torchrun")])
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"  # found from the advertised address
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    args = get_args_parser().parse_args(words[words.index("torchrun") + 1 :])
+    assert (args.nnodes, args.rdzv_id, args.max_restarts, args.module) == ("1:4", "job7", 5, True)
+    assert (args.training_script, args.training_script_args) == ("ddptrain", ["train"])
+
+
+def test_single_node_needs_no_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    line = dry_run(capsys, "--nproc-per-node", "2", "--", "train")
+    assert "--rdzv-endpoint localhost:0" in line and "--nproc-per-node 2" in line
+
+
+def test_stale_torchrun_variables_are_ignored(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "7")
+    line = dry_run(capsys, "--", "train")
+    assert "--nnodes 1" in line
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nnodes", "2", "--", "train"], "needs --rdzv-endpoint"),
+    (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--", "train"], "0 < MIN <= MAX"),
+    (["--nnodes", "x", "--", "train"], "must be a number or MIN:MAX"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nohost", "--", "train"], "HOST:PORT"),
+    (["--max-restarts", "-1", "--", "train"], "must be >= 0"),
+    ([], "nothing to launch"),
+])
+def test_bad_options_exit_2_with_one_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert main(["launch", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_job_exit_code_from_worker_codes() -> None:
+    assert exit_code_for([0, 0]) == 0
+    assert exit_code_for([75, -15]) == 75  # one worker preempted: the job is resumable
+    assert exit_code_for([2, 2]) == 2
+    assert exit_code_for([1, 2]) == 1
+    assert exit_code_for([-9]) == 1
+
+
+def test_interface_lookup() -> None:
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
