@@ -7,12 +7,14 @@
 
 The options become a torchrun command line (`--dry-run` prints it) that torchrun's own parser
 and `config_from_args` turn into a LaunchConfig; the agent is torchrun's LocalElasticAgent with
-three production changes that torchrun's CLI cannot express:
+production changes that torchrun's CLI cannot express:
 
 * a worker exit code of 75 (preempted, checkpoint committed) or 2 (bad input) ends the job
   with that code instead of being restarted until the restart budget is gone;
 * the exit barrier (all nodes wait for each other after success) is bounded, 300 s -> 60 s;
-* stopping workers for a restart waits --shutdown-timeout, not a fixed 30 s.
+* stopping workers for a restart waits --shutdown-timeout, not a fixed 30 s;
+* every phase that talks to the rendezvous store has a deadline (_StallGuard);
+* each rendezvous round gets a fresh worker store (see torchrun_command).
 
 Exit codes: 0 done, 1 failed (restarts used up, rendezvous failed), 2 bad input,
 75 preempted (run the same command again to resume), 128+N killed by signal N before the
