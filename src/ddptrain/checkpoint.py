@@ -58,9 +58,14 @@ class _HashingWriter:
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as e:
+            self.error = e  # torch's zip writer reports only "unexpected pos": keep the real cause
+            raise
         self.sha256.update(data)
         self.size += len(data)
         return len(data)
@@ -76,7 +81,12 @@ def _write_durable(path: Path, obj: Any) -> dict[str, Any]:
         if isinstance(obj, bytes):
             writer.write(obj)
         else:
-            torch.save(obj, writer)  # type: ignore[arg-type]
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": writer.sha256.hexdigest(), "size": writer.size}
