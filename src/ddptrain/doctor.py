@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import platform
+import re
 import socket
 import struct
 import sys
@@ -83,7 +84,8 @@ def environment() -> dict[str, str]:
         "cpus": str(os.cpu_count()),
     }
     if torch.cuda.is_available():
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        version = torch.cuda.nccl.version()  # a tuple in recent torch, an int (e.g. 2708) in older ones
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         for i in range(torch.cuda.device_count()):
             info[f"cuda:{i}"] = torch.cuda.get_device_name(i)
     for var in _ENV_VARS:
@@ -154,8 +156,8 @@ def check_interface() -> Check:
     names = {n for _, n in socket.if_nameindex()}
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         wanted = os.environ.get(var)
-        # NCCL accepts prefixes and lists ("eth", "^docker"); only a plain name can be checked here.
-        if wanted and wanted.isidentifier() and wanted not in names and not any(n.startswith(wanted) for n in names):
+        # NCCL also accepts lists and exclusions ("eth0,eth1", "^docker"); only a plain name or prefix is checked.
+        if wanted and re.fullmatch(r"[\w.-]+", wanted) and not any(n.startswith(wanted) for n in names):
             return Check("interface", "FAIL", f"{var}={wanted} but this host has no such interface (has {', '.join(sorted(names))})")
     addr = os.environ.get("MASTER_ADDR")
     if not addr:
