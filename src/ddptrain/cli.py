@@ -161,11 +161,11 @@ def report(run_dir: str, out: str | None = None) -> int:
     return 0
 
 
-def doctor(backend: str, timeout_s: float, max_mb: float) -> int:
+def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None) -> int:
     """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
     from ddptrain.doctor import doctor as run_doctor
 
-    return run_doctor(backend, timeout_s, int(max_mb * 2**20))
+    return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint)
 
 
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> int:
@@ -208,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
     d.add_argument("--timeout", type=float, default=30.0, help="seconds every rank may take to join (default 30)")
     d.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce message in MiB (default 64)")
+    d.add_argument("--endpoint", help="also check that this rendezvous HOST:PORT accepts connections from here")
 
     g = sub.add_parser("generate", help="sample text from the built-in GPT of a run's newest good checkpoint")
     g.add_argument("run_dir")
@@ -232,7 +233,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         return report(args.run_dir, args.out)
     if args.command == "doctor":
-        return doctor(args.backend, args.timeout, args.max_mb)
+        return doctor(args.backend, args.timeout, args.max_mb, args.endpoint)
     if args.command == "generate":
         return generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     raise AssertionError(args.command)

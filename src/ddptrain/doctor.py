@@ -151,26 +151,27 @@ def check_device(local_rank: int) -> tuple[Check, torch.device]:
     return Check("device", "PASS", f"{device} ({name}): {n}x{n} {label} matmul at {flops / 1e12:.3f} TFLOP/s{share}"), device
 
 
-def check_interface() -> Check:
-    """The interface that routes to MASTER_ADDR, and that a forced *_SOCKET_IFNAME exists."""
+def check_interface(endpoint: str | None = None) -> Check:
+    """The interface that routes to MASTER_ADDR (or the endpoint's host), and that a forced *_SOCKET_IFNAME exists."""
     names = {n for _, n in socket.if_nameindex()}
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         wanted = os.environ.get(var)
         # NCCL also accepts lists and exclusions ("eth0,eth1", "^docker"); only a plain name or prefix is checked.
         if wanted and re.fullmatch(r"[\w.-]+", wanted) and not any(n.startswith(wanted) for n in names):
             return Check("interface", "FAIL", f"{var}={wanted} but this host has no such interface (has {', '.join(sorted(names))})")
-    addr = os.environ.get("MASTER_ADDR")
+    addr = os.environ.get("MASTER_ADDR") or (endpoint.rpartition(":")[0] if endpoint else None)
     if not addr:
-        return Check("interface", "SKIP", f"no MASTER_ADDR; interfaces: {', '.join(sorted(names))}")
+        return Check("interface", "SKIP", f"no MASTER_ADDR or --endpoint; interfaces: {', '.join(sorted(names))}")
+    what = "MASTER_ADDR" if os.environ.get("MASTER_ADDR") else "the endpoint host"
     try:
         local, name = route_to(addr)
     except socket.gaierror as e:
-        return Check("interface", "FAIL", f"MASTER_ADDR={addr} does not resolve: {e.strerror}")
+        return Check("interface", "FAIL", f"{what} {addr} does not resolve: {e.strerror}")
     except OSError as e:
-        return Check("interface", "FAIL", f"no route from this host to MASTER_ADDR={addr}: {e.strerror or e}")
+        return Check("interface", "FAIL", f"no route from this host to {what} {addr}: {e.strerror or e}")
     forced = [f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if os.environ.get(v)]
     how = f"; forced by {', '.join(forced)}" if forced else ""
-    return Check("interface", "PASS", f"MASTER_ADDR={addr} is reached via {name or '?'} ({local}){how}")
+    return Check("interface", "PASS", f"{what} {addr} is reached via {name or '?'} ({local}){how}")
 
 
 # ---- rendezvous and collectives ---------------------------------------------------------------
@@ -202,6 +203,18 @@ def probe_store(host: str, port: int, deadline: float) -> str | None:
             if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
                 why = f"{why}: no route to that address"
         time.sleep(0.25)
+
+
+def check_endpoint(endpoint: str, timeout_s: float) -> Check:
+    """A rendezvous endpoint HOST:PORT given by hand accepts TCP connections within timeout_s."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return Check("endpoint", "FAIL", f"--endpoint {endpoint!r} must look like HOST:PORT")
+    t0 = time.monotonic()
+    why = probe_store(host, int(port), t0 + timeout_s)
+    if why is not None:
+        return Check("endpoint", "FAIL", f"cannot connect to {endpoint} within {timeout_s:g}s ({why})")
+    return Check("endpoint", "PASS", f"{endpoint} accepts connections ({time.monotonic() - t0:.2f}s)")
 
 
 def check_rendezvous(env: tuple[int, int, int, int], backend: str, device: torch.device, timeout_s: float) -> Check:
@@ -329,8 +342,12 @@ def _report(title: str, info: dict[str, str], checks: list[Check], extra: str = 
     return "\n".join(lines)
 
 
-def doctor(backend: str = "auto", timeout_s: float = 30.0, max_bytes: int = 64 << 20) -> int:
-    """Run the checks this launch allows, print the report (rank 0, or any rank that fails); 0 when all pass."""
+def doctor(backend: str = "auto", timeout_s: float = 30.0, max_bytes: int = 64 << 20, endpoint: str | None = None) -> int:
+    """Run the checks this launch allows, print the report (rank 0, or any rank that fails); 0 when all pass.
+
+    endpoint: a rendezvous HOST:PORT to probe from here (e.g. torchrun's --rdzv-endpoint, before
+    starting the agents on the other nodes).
+    """
     info = environment()
     launch, env = check_launch_env()
     checks = [launch]
@@ -339,7 +356,9 @@ def doctor(backend: str = "auto", timeout_s: float = 30.0, max_bytes: int = 64 <
     if launch.verdict != "FAIL":
         backend_check, chosen = check_backend(backend)
         device_check, device = check_device(env[2] if env else 0)
-        checks += [backend_check, device_check, check_interface()]
+        checks += [backend_check, device_check, check_interface(endpoint)]
+        if endpoint:
+            checks.append(check_endpoint(endpoint, timeout_s))
     if env is None or chosen is None or any(c.verdict == "FAIL" for c in checks):
         if env is not None and launch.verdict != "FAIL":
             checks.append(Check("rendezvous", "SKIP", "an earlier check failed"))

@@ -139,5 +139,7 @@ def _format(key: str, value: Any) -> str:
             return f"{key} {value:.2e}"
         if key == "mfu":
             return f"{key} {value:.1%}"
+        if key.endswith("_per_s"):
+            return f"{key} {value:,.1f}" if value < 100 else f"{key} {value:,.0f}"
         return f"{key} {value:.4f}" if abs(value) < 100 else f"{key} {value:,.0f}"
     return f"{key} {value}"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
 from ddptrain.doctor import check_interface, doctor, route_to
@@ -24,7 +27,7 @@ def test_loopback_master_addr_routes_via_lo(monkeypatch: pytest.MonkeyPatch) -> 
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     check = check_interface()
-    assert check.verdict == "PASS" and "reached via lo (127.0.0.1)" in check.detail
+    assert check.verdict == "PASS" and check.detail == "MASTER_ADDR 127.0.0.1 is reached via lo (127.0.0.1)"
 
 
 def test_a_missing_socket_interface_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,3 +41,23 @@ def test_an_incomplete_launch_env_fails(monkeypatch: pytest.MonkeyPatch, capsys:
     assert doctor() == 1
     out = capsys.readouterr().out
     assert "FAIL  launch env  incomplete torchrun environment" in out and "verdict: FAIL (launch env)" in out
+
+
+def test_a_closed_endpoint_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert doctor(timeout_s=1.0, endpoint=f"127.0.0.1:{port}") == 1
+    assert time.monotonic() - t0 < 10
+    out = capsys.readouterr().out
+    assert f"FAIL  endpoint    cannot connect to 127.0.0.1:{port} within 1s (connection refused" in out
+    assert "verdict: FAIL (endpoint)" in out
+
+
+def test_an_open_endpoint_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert doctor(endpoint=f"127.0.0.1:{s.getsockname()[1]}") == 0
+    assert "PASS  endpoint" in capsys.readouterr().out
