@@ -105,6 +105,11 @@ class Progress:
         if not self.enabled:
             return
         if self.bar is not None:
+            if eta is None:
+                # The first shown step: restart the bar's clock here, so that its rate and ETA count
+                # only steps this process trained (not a resume's jump, nor start-up time).
+                self.bar.reset()
+                self.bar.initial = self.bar.n = self.bar.last_print_n = step
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix_str(summary, refresh=True)
         else:

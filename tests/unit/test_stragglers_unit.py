@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,18 @@ def test_progress_bar_on_a_tty_shows_fields_and_eta() -> None:
     assert "20/50" in text and "loss 2.0000" in text and "tokens_per_s 999" in text
     assert "<" in text  # tqdm's elapsed<remaining
     assert "checkpoint step 20 committed" in text
+
+
+def test_progress_bar_after_a_resume_counts_only_this_process() -> None:
+    out = _Tty()
+    p = Progress(True, total=1000, initial=0, stream=out)
+    p.update(900, {"loss": 1.0})  # resumed at step 890, first record at 900
+    time.sleep(0.2)
+    p.update(910, {"loss": 1.0})
+    assert p.bar is not None and p.bar.n == 910 and p.bar.initial == 900
+    rate = p.bar.format_dict["rate"] or (910 - 900) / p.bar.format_dict["elapsed"]
+    assert rate < 1000  # 10 steps in >= 0.2 s, not 910
+    p.close()
 
 
 def test_rank_log_keeps_messages_of_a_silent_rank_and_the_traceback(tmp_path: Path) -> None:
