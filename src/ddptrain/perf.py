@@ -172,7 +172,7 @@ class StepTimer:
 
 
 class Throughput:
-    """Turns a log window (steps, seconds, phase times) into throughput and efficiency fields."""
+    """Turns a log window (steps and their wall time) into throughput, efficiency and memory fields."""
 
     def __init__(self, device: torch.device, precision: str, world_size: int, global_batch: int,
                  tokens_per_sample: int | None, flops_per_token: float | None, peak_tflops: float | None) -> None:
