@@ -139,3 +139,29 @@ def test_uncaught_error_lands_in_the_rank_log(tmp_path: Path) -> None:
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "RuntimeError: deliberate failure on rank 0 in forward call 3" in log and "Traceback" in log
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["event"] == "start"
+
+
+def test_report_summarizes_restarts_stragglers_mfu_and_a_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A metrics file in the trainer's format covering what a CPU test run cannot produce: MFU,
+    # a resume, straggler checks and a stop.
+    def train(step: int, mfu: float) -> dict:
+        return {"kind": "train", "step": step, "loss": 3.0 - 0.1 * step, "lr": 1e-3, "step_time_s": 0.5,
+                "samples_per_s": 64.0, "tokens_per_s": 8192.0, "mfu": mfu, "data_wait_s": 0.01, "forward_s": 0.1,
+                "backward_s": 0.3, "optimizer_s": 0.05, "exposed_comm_s": 0.02, "world_size": 2}
+    records = [
+        {"kind": "event", "event": "start", "step": 0}, train(2, 0.9), train(4, 0.30),
+        {"kind": "ranks", "step": 4, "local_step_s": [0.1, 0.1], "hosts": ["a", "b"], "median_s": 0.1, "factor": 1.5},
+        {"kind": "event", "event": "resume", "step": 4}, train(6, 0.40),
+        {"kind": "ranks", "step": 6, "local_step_s": [0.1, 0.3], "hosts": ["a", "b"], "median_s": 0.2, "factor": 1.5,
+         "straggler_rank": 1, "straggler_host": "b", "ratio": 1.5},
+        {"kind": "event", "event": "stopped", "step": 6, "reason": "non-finite gradient norm (nan) at step 7"},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rc, out, err = ddptrain(capsys, "report", str(tmp_path))
+    assert rc == 0, err
+    assert "status: stopped at step 6: non-finite gradient norm (nan) at step 7" in out
+    assert "MFU: 35.0% mean" in out  # (0.30 + 0.40) / 2: the first window is left out
+    assert "restarts: 1 (resumed at step 4)" in out
+    assert "stragglers: flagged in 1 of 2 checks (rank 1 on b)" in out
+    assert "exposed_comm 20.0 ms" in out
+    assert_valid_pngs(tmp_path / "report")
