@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -45,14 +46,22 @@ def env_for_subprocess(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_ddptrain(args: list[str], *, nproc: int = 0, timeout: float = 120, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0."""
+                 cwd: Path | None = None, max_file_bytes: int | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0.
+
+    max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
+    """
+    def limit() -> None:
+        if max_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "ddptrain", *args]
     else:
         cmd = [sys.executable, "-m", "ddptrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd,
+                          preexec_fn=limit if max_file_bytes is not None else None)
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
@@ -65,3 +74,23 @@ def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """Model weights of the newest committed checkpoint."""
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
     return torch.load(ckpts[-1] / "model.pt", weights_only=True)
+
+
+def make_trainer(corpus: Path, run_dir: Path, overrides: list[str]) -> Any:
+    """An in-process, single-process Trainer on the tiny corpus (no process group)."""
+    from ddptrain.checkpoint import Checkpointer
+    from ddptrain.config import load_config
+    from ddptrain.data import build_datasets
+    from ddptrain.dist import DistContext
+    from ddptrain.metrics import MetricsWriter, Progress
+    from ddptrain.models import build_model
+    from ddptrain.rng import seed_everything
+    from ddptrain.trainer import Trainer
+
+    cfg = load_config(None, [*TINY, f"data.dir={corpus}", f"run.dir={run_dir}", *overrides])
+    ctx = DistContext()
+    seed_everything(cfg.run.seed)
+    train_set, val_set = build_datasets(cfg)
+    model = build_model(cfg.model)
+    return Trainer(cfg, ctx, model, train_set, val_set, Checkpointer(cfg.ckpt, run_dir, ctx, {}),
+                   MetricsWriter(run_dir, False), Progress(False, cfg.train.max_steps, 0))
