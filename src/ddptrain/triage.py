@@ -91,11 +91,15 @@ class Triage:
         return RankFailure(summary)
 
     def close(self) -> None:
-        """Stop the watchdog; remove the stacks file when nothing was written to it."""
+        """Stop the watchdog; remove the stacks file (and folder) when nothing was written to it."""
         self.disarm()
         self._file.close()
         if self.path.exists() and self.path.stat().st_size == 0:
             self.path.unlink()
+            try:
+                self.path.parent.rmdir()  # only succeeds once no rank has anything in it
+            except OSError:
+                pass
 
     # ---- the check-in on the job's store ----------------------------------------------------
 
