@@ -1,0 +1,224 @@
+"""A real one-node SLURM cluster for the tests: munged, slurmctld and slurmd as root on loopback.
+
+Everything lives in folders of its own (config, state, spool, logs, munge socket and key) and on
+free ports, so a test session neither needs nor disturbs a system-wide SLURM or munge. The daemons
+are stopped by their pid files at the end. Debian's `slurm-wlm` and `munge` packages provide the
+binaries (`.ci/install-slurm` installs them); without them, or without root, the tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+
+
+def skip_reason() -> str | None:
+    """Why a SLURM cluster cannot be started here, or None."""
+    if not sys.platform.startswith("linux"):
+        return "SLURM tests need Linux"
+    if os.geteuid() != 0:
+        return "SLURM tests run slurmctld/slurmd/munged as root; not root"
+    missing = [b for b in BINARIES if shutil.which(b) is None]
+    if missing:
+        return f"SLURM packages not installed (missing {', '.join(missing)}); run .ci/install-slurm (Debian slurm-wlm, munge)"
+    try:
+        pwd.getpwnam("munge")
+    except KeyError:
+        return "user 'munge' does not exist (the munge package creates it)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"({path} missing)"
+
+
+class SlurmCluster:
+    """One slurmctld + one slurmd (node named after `hostname -s`, NodeAddr=127.0.0.1)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.node = socket.gethostname().split(".")[0]
+        # munged insists that every folder above its socket is traversable by everyone, which the
+        # test's tmp folder (0700) is not: the munge folders get a world-readable temp dir of their own.
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="ddptrain-munge-"))
+        self.conf = root / "slurm.conf"
+        self.logs = root / "log"
+        self.started_s: float | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60) -> None:
+        """Start munged, slurmctld and slurmd and wait until the node is idle; skip if they fail."""
+        t0 = time.monotonic()
+        self._start_munged()
+        for sub in ("state", "spool", "log"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(self._slurm_conf())
+        for daemon in ("slurmctld", "slurmd"):
+            proc = subprocess.run([daemon, "-f", str(self.conf)], capture_output=True, text=True, timeout=30)
+            if proc.returncode != 0:
+                self.stop()
+                pytest.skip(f"{daemon} did not start: {proc.stderr.strip()} {_tail(self.logs / f'{daemon}.log')}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
+            if out in ("idle", "mixed"):
+                self.started_s = time.monotonic() - t0
+                return
+            time.sleep(0.1)
+        logs = _tail(self.logs / "slurmctld.log") + "\n" + _tail(self.logs / "slurmd.log")
+        self.stop()
+        pytest.skip(f"the SLURM node did not become idle within {timeout} s:\n{logs}")
+
+    def _start_munged(self) -> None:
+        run_dir, private = self.munge_dir / "run", self.munge_dir / "private"
+        run_dir.mkdir()
+        private.mkdir()
+        (private / "munge.key").write_bytes(os.urandom(1024))  # a fresh key: this cluster trusts only itself
+        munge = pwd.getpwnam("munge")
+        for path in (self.munge_dir, run_dir, private, private / "munge.key"):
+            os.chown(path, munge.pw_uid, munge.pw_gid)
+        os.chmod(self.munge_dir, 0o755)
+        os.chmod(run_dir, 0o755)
+        os.chmod(private, 0o700)
+        os.chmod(private / "munge.key", 0o600)
+        self.munge_socket = run_dir / "munge.socket"
+        proc = subprocess.run(
+            ["runuser", "-u", "munge", "--", "munged", f"--socket={self.munge_socket}",
+             f"--key-file={private / 'munge.key'}", f"--log-file={private / 'munged.log'}",
+             f"--pid-file={run_dir / 'munged.pid'}", f"--seed-file={private / 'munged.seed'}"],
+            capture_output=True, text=True, timeout=30,
+        )
+        if proc.returncode != 0:
+            self.stop()
+            pytest.skip(f"munged did not start: {proc.stderr.strip()}")
+
+    def _slurm_conf(self) -> str:
+        r = self.root
+        return "\n".join([
+            "ClusterName=ddptest",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.logs / 'slurmd.log'}",
+            # No cgroups here (and none needed): track processes by parentage, bind nothing.
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "SchedulerType=sched/builtin",
+            "JobRequeue=1",
+            "KillWait=15",
+            "MinJobAge=600",
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ])
+
+    def stop(self) -> None:
+        """Cancel every job, then stop slurmd, slurmctld and munged by their pid files."""
+        if self.conf.exists():
+            self.run(["scancel", "--full", "--user=root"], check=False)
+            time.sleep(0.5)
+        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.munge_dir / "run" / "munged.pid"):
+            _stop_pid_file(pid_file)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """An environment whose SLURM commands talk to this cluster."""
+        env = dict(os.environ if base is None else base)
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def run(self, cmd: list[str], *, check: bool = True, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """A SLURM client command against this cluster."""
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env))
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job -o ID` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = self.run(["scontrol", "show", "job", "-o", job_id]).stdout
+        fields: dict[str, str] = {}
+        for token in out.split():
+            key, _, value = token.partition("=")
+            fields.setdefault(key, value)
+        return fields
+
+    def wait_for(self, job_id: str, states: set[str], timeout: float, *, release: bool = False) -> dict[str, str]:
+        """Poll until the job is in one of `states`. With release, a requeued job held back by
+        SLURM's fixed BeginTime delay after a requeue is made eligible at once."""
+        deadline = time.monotonic() + timeout
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            if release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {info}\n"
+                             f"{_tail(self.logs / 'slurmctld.log')}")
+
+
+def _stop_pid_file(pid_file: Path, timeout: float = 15) -> None:
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
