@@ -126,14 +126,14 @@ CRASHES_FILE="$RUN_DIR/slurm/crashes-$SLURM_JOB_ID"
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)
 export RDZV_ENDPOINT="$HEAD_ADDR:{port}"
-echo "ddptrain-slurm: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, rendezvous $RDZV_ENDPOINT, $(date -u +%FT%T.%3NZ)"
+echo "ddptrain-slurm: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, rendezvous $RDZV_ENDPOINT, $(date -u +%FT%T.%3N%:z)"
 
 # The step runs in the background so that bash can run the USR1 trap while it waits.
 step_pid=""
 interrupted=0
 forward_usr1() {{
     interrupted=1
-    echo "ddptrain-slurm: USR1 received at $(date -u +%FT%T.%3NZ), forwarding to the job step"
+    echo "ddptrain-slurm: USR1 received at $(date -u +%FT%T.%3N%:z), forwarding to the job step"
     [ -n "$step_pid" ] && kill -USR1 "$step_pid"
 }}
 trap forward_usr1 USR1
@@ -152,7 +152,7 @@ if [ "$rc" = 0 ]; then
     exit 0
 fi
 if [ "$rc" = {preempted} ]; then
-    echo "ddptrain-slurm: preempted, checkpoint committed; requeueing job $SLURM_JOB_ID at $(date -u +%FT%T.%3NZ)"
+    echo "ddptrain-slurm: preempted, checkpoint committed; requeueing job $SLURM_JOB_ID at $(date -u +%FT%T.%3N%:z)"
     scontrol requeue "$SLURM_JOB_ID" && exit {preempted}
     echo "ddptrain-slurm: scontrol requeue failed; resubmit this script to resume" >&2
     exit {preempted}
@@ -160,7 +160,7 @@ fi
 crashes=$(( $(cat "$CRASHES_FILE" 2>/dev/null || echo 0) + 1 ))
 echo "$crashes" > "$CRASHES_FILE"
 if [ "$crashes" -le "$MAX_REQUEUES" ]; then
-    echo "ddptrain-slurm: step failed with exit code $rc (crash $crashes of at most $MAX_REQUEUES requeues); requeueing"
+    echo "ddptrain-slurm: step failed with exit code $rc; requeueing (requeue $crashes of at most $MAX_REQUEUES after crashes)"
     scontrol requeue "$SLURM_JOB_ID" && exit "$rc"
 fi
 echo "ddptrain-slurm: step failed with exit code $rc after $((crashes - 1)) requeues; giving up" >&2
