@@ -9,15 +9,19 @@ finish the current step, commit a checkpoint and shut the launcher down.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ddptrain.config import Config, load_config
 from ddptrain.errors import ConfigError
 
-# Exit code of a coordinated, resumable stop (EX_TEMPFAIL); see `ddptrain launch`.
+# Exit codes of `ddptrain launch`: a coordinated, resumable stop (EX_TEMPFAIL), and bad input.
 EXIT_PREEMPTED = 75
-# Slack on top of the measured-by-the-user step and save times, for process start/stop jitter.
-_STOP_MARGIN_S = 30
+EXIT_USAGE = 2
+# Slack for the workers on top of the user's step and save estimates (signal delivery, agreement).
+_WORKER_MARGIN_S = 10
+# Slack for what follows the workers' exit: the launcher's exit, the rendezvous close, srun or the pod.
+_LAUNCHER_MARGIN_S = 20
 
 
 def load_job_config(config: str | None, overrides: Sequence[str]) -> Config:
@@ -31,11 +35,16 @@ def load_job_config(config: str | None, overrides: Sequence[str]) -> Config:
     return cfg
 
 
-def stop_budget_s(step_s: float, save_s: float, shutdown_s: float) -> int:
-    """Seconds a job needs from its stop signal to a clean exit 75: finish a step, commit, shut down."""
-    if step_s <= 0 or save_s <= 0 or shutdown_s < 0:
+def worker_stop_s(step_s: float, save_s: float) -> int:
+    """Seconds the workers get after a stop signal (launch --shutdown-timeout): finish a step, commit."""
+    if step_s <= 0 or save_s <= 0:
         raise ConfigError(f"step ({step_s}) and checkpoint save ({save_s}) times must be positive")
-    return int(step_s + save_s + shutdown_s + _STOP_MARGIN_S + 0.999)
+    return math.ceil(step_s + save_s) + _WORKER_MARGIN_S
+
+
+def stop_budget_s(step_s: float, save_s: float) -> int:
+    """Seconds a job needs from its stop signal to a clean exit 75, launcher included."""
+    return worker_stop_s(step_s, save_s) + _LAUNCHER_MARGIN_S
 
 
 def check_stop_window(window_s: int, needed_s: int, what: str) -> None:
@@ -47,12 +56,12 @@ def check_stop_window(window_s: int, needed_s: int, what: str) -> None:
         )
 
 
-def launch_argv(*, nnodes: str, nproc_per_node: str, endpoint: str, rdzv_id: str, node_addr: str,
-                max_restarts: int, config_path: str) -> list[str]:
+def launch_argv(*, nnodes: str, nproc_per_node: str, endpoint: str, run_id: str, node_addr: str,
+                max_restarts: int, shutdown_s: int, config_path: str) -> list[str]:
     """The `launch ... -- train -c CONFIG` arguments every node of a job runs (after `ddptrain`)."""
     return [
         "launch", "--nnodes", nnodes, "--nproc-per-node", nproc_per_node,
-        "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--node-addr", node_addr,
-        "--max-restarts", str(max_restarts),
+        "--rdzv-endpoint", endpoint, "--run-id", run_id, "--node-addr", node_addr,
+        "--max-restarts", str(max_restarts), "--shutdown-timeout", str(shutdown_s),
         "--", "train", "-c", config_path,
     ]

@@ -23,7 +23,7 @@ import yaml
 
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
-from ddptrain.jobspec import check_stop_window, launch_argv, stop_budget_s
+from ddptrain.jobspec import check_stop_window, launch_argv, stop_budget_s, worker_stop_s
 
 CONTAINER = "pytorch"  # the operator finds the training container by this name
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
@@ -49,7 +49,6 @@ class K8sJob:
     rdzv_port: int = 29400
     step_s: float = 30.0
     save_s: float = 60.0
-    shutdown_s: float = 30.0
     grace_s: int | None = None
 
     def job_name(self, cfg: Config) -> str:
@@ -61,7 +60,7 @@ class K8sJob:
 
     def grace_period(self) -> int:
         """terminationGracePeriodSeconds: the given one (checked) or the stop budget."""
-        needed = stop_budget_s(self.step_s, self.save_s, self.shutdown_s)
+        needed = stop_budget_s(self.step_s, self.save_s)
         if self.grace_s is None:
             return needed
         check_stop_window(self.grace_s, needed, "--grace-seconds")
@@ -104,8 +103,8 @@ def _replica(job: K8sJob, name: str, role: str, replicas: int, env: list[dict[st
     node_addr = f"{name}-master-0" if role == "Master" else "$(POD_IP)"
     command = ["ddptrain", *launch_argv(
         nnodes="$(PET_NNODES)", nproc_per_node="$(PET_NPROC_PER_NODE)", endpoint="$(PET_RDZV_ENDPOINT)",
-        rdzv_id="$(PET_RDZV_ID)", node_addr=node_addr, max_restarts=job.max_restarts,
-        config_path=f"{job.config_mount}/config.yaml",
+        run_id="$(PET_RDZV_ID)", node_addr=node_addr, max_restarts=job.max_restarts,
+        shutdown_s=worker_stop_s(job.step_s, job.save_s), config_path=f"{job.config_mount}/config.yaml",
     )]
     return {
         "replicas": replicas,

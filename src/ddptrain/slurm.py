@@ -5,8 +5,9 @@ The script (see docs/clusters.md for a generated one) asks SLURM for `--signal=B
 sends it with `scancel --signal=USR1 --batch`); the shell forwards it to the job step, every node's
 launcher stops all ranks at one step, commits a checkpoint and exits 75. The shell then requeues
 its own job; the requeued job (same job id, so the same rendezvous id) resumes from the newest
-checkpoint in the same run.dir. Any other non-zero exit is a crash: requeued at most
-`max_requeues` times (counted in a file in run.dir, so preemptions do not use up the budget).
+checkpoint in the same run.dir. Exit 2 (bad input) is final: the same input would fail again.
+Any other non-zero exit is a crash: requeued at most `max_requeues` times (counted in a file in
+run.dir, so preemptions do not use up the budget).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError, LaunchError
-from ddptrain.jobspec import EXIT_PREEMPTED, check_stop_window, launch_argv, stop_budget_s
+from ddptrain.jobspec import EXIT_PREEMPTED, EXIT_USAGE, check_stop_window, launch_argv, stop_budget_s, worker_stop_s
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
@@ -44,7 +45,6 @@ class SlurmJob:
     rdzv_port: int = 29500
     step_s: float = 30.0
     save_s: float = 60.0
-    shutdown_s: float = 30.0
     python: str = sys.executable
     extra_sbatch: tuple[str, ...] = ()
 
@@ -60,7 +60,7 @@ class SlurmJob:
             raise ConfigError("--max-requeues and --max-restarts must be >= 0")
         if not 0 < self.rdzv_port < 65536:
             raise ConfigError(f"--rdzv-port {self.rdzv_port} is not a TCP port")
-        check_stop_window(self.signal_s, stop_budget_s(self.step_s, self.save_s, self.shutdown_s), "--signal-seconds")
+        check_stop_window(self.signal_s, stop_budget_s(self.step_s, self.save_s), "--signal-seconds")
 
 
 def _bash_word(arg: str) -> str:
@@ -95,7 +95,8 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     ]
     argv = launch_argv(
         nnodes=str(job.nodes), nproc_per_node=job.nproc_per_node, endpoint="$RDZV_ENDPOINT",
-        rdzv_id="$SLURM_JOB_ID", node_addr="$addr", max_restarts=job.max_restarts, config_path=str(config_path),
+        run_id="$SLURM_JOB_ID", node_addr="$addr", max_restarts=job.max_restarts,
+        shutdown_s=worker_stop_s(job.step_s, job.save_s), config_path=str(config_path),
     )
     node_cmd = (
         'addr=$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2); '
@@ -105,6 +106,7 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     return _TEMPLATE.format(
         header=header, run=cfg.run.name, run_dir=shlex.quote(str(run_dir)), max_requeues=job.max_requeues,
         port=job.rdzv_port, nodes=job.nodes, node_cmd=shlex.quote(node_cmd), preempted=EXIT_PREEMPTED,
+        usage=EXIT_USAGE,
     )
 
 
@@ -115,7 +117,7 @@ _TEMPLATE = """\
 
 # Preemption (USR1, forwarded below) makes every node commit a checkpoint and exit {preempted};
 # this script then requeues the job, which resumes from the newest checkpoint (ckpt.resume=auto).
-# Crashes (any other non-zero exit) are requeued at most MAX_REQUEUES times.
+# Bad input (exit {usage}) is never requeued; crashes (any other non-zero exit) at most MAX_REQUEUES times.
 set -u
 RUN_DIR={run_dir}
 MAX_REQUEUES={max_requeues}
@@ -156,6 +158,10 @@ if [ "$rc" = {preempted} ]; then
     scontrol requeue "$SLURM_JOB_ID" && exit {preempted}
     echo "ddptrain-slurm: scontrol requeue failed; resubmit this script to resume" >&2
     exit {preempted}
+fi
+if [ "$rc" = {usage} ]; then
+    echo "ddptrain-slurm: bad input (exit code {usage}, the error is above); not requeued" >&2
+    exit "$rc"
 fi
 crashes=$(( $(cat "$CRASHES_FILE" 2>/dev/null || echo 0) + 1 ))
 echo "$crashes" > "$CRASHES_FILE"

@@ -153,17 +153,18 @@ def _log_time(log: str, pattern: str) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_crashing_job_is_requeued_only_up_to_its_bound(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_crashing_job_is_requeued_only_up_to_its_bound(slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path) -> None:
     _require_launch()
     run_dir = tmp_path / "run"
-    # A corpus folder that does not exist: every attempt fails at start-up with a non-75 exit.
-    job = _submit(slurm, tmp_path, [*TINY, f"data.dir={tmp_path / 'missing'}", f"run.dir={run_dir}",
+    # A model factory that raises (a negative width): every attempt crashes with exit 1, not 2 or 75.
+    job = _submit(slurm, tmp_path, [*TINY, f"data.dir={corpus_dir}", "model.target=toy:build_model",
+                                    "model.kwargs.dim=-1", f"run.dir={run_dir}",
                                     "--nodes", "1", "--nproc-per-node", "1", "--max-requeues", "2",
                                     "--max-restarts", "0", "--signal-seconds", "60", "--save-seconds", "10",
                                     "--step-seconds", "5"])
     info = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 200, release=True)
     log = _job_log(run_dir)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "2", f"{info}\n{log}"
-    assert info["ExitCode"] not in ("0:0", "75:0")
+    assert info["ExitCode"] == "1:0"
     assert log.count("requeueing") == 2 and "after 2 requeues; giving up" in log
     assert (run_dir / "slurm" / f"crashes-{job}").read_text().strip() == "3"

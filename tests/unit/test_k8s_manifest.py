@@ -34,7 +34,7 @@ def test_pytorchjob_has_operator_fields(tmp_path: Path) -> None:
     for role, rs in replicas.items():
         assert rs["restartPolicy"] in ("OnFailure", "Always", "ExitCode", "Never")
         pod = rs["template"]["spec"]
-        # step 10 + save 120 + launcher shutdown 30 + margin 30
+        # step 10 + save 120 + worker margin 10 + launcher margin 20
         assert pod["terminationGracePeriodSeconds"] == 190
         (c,) = pod["containers"]
         assert c["name"] == "pytorch" and c["image"] == "registry.example/ddptrain:1"
@@ -42,6 +42,7 @@ def test_pytorchjob_has_operator_fields(tmp_path: Path) -> None:
         assert env["PET_NNODES"] == "2:4" and env["PET_NPROC_PER_NODE"] == "8"
         assert env["PET_RDZV_BACKEND"] == "c10d" and env["PET_RDZV_ENDPOINT"] == f"{name}-master-0:29400"
         assert c["command"][:2] == ["ddptrain", "launch"]
+        assert c["command"][c["command"].index("--shutdown-timeout") + 1] == "140"  # step + save + 10
         assert c["command"][-4:] == ["--", "train", "-c", "/etc/ddptrain/config.yaml"]
         node_addr = c["command"][c["command"].index("--node-addr") + 1]
         assert node_addr == (f"{name}-master-0" if role == "Master" else "$(POD_IP)")

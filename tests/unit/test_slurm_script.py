@@ -28,7 +28,7 @@ def test_script_has_directives_and_one_launch_per_node(tmp_path: Path) -> None:
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in text
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and "--nodes=4" in srun
-    for arg in ('--rdzv-endpoint "$RDZV_ENDPOINT"', '--rdzv-id "$SLURM_JOB_ID"', '--node-addr "$addr"', "--nnodes 4",
+    for arg in ('--rdzv-endpoint "$RDZV_ENDPOINT"', '--run-id "$SLURM_JOB_ID"', '--node-addr "$addr"', "--nnodes 4", "--shutdown-timeout 100",
                 f"train -c {tmp_path / 'run' / 'slurm' / 'config.yaml'}"):
         assert arg in srun
     frozen = (tmp_path / "run" / "slurm" / "config.yaml").read_text()
