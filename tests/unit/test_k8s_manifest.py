@@ -35,7 +35,7 @@ def test_pytorchjob_has_operator_fields(tmp_path: Path) -> None:
         assert rs["restartPolicy"] in ("OnFailure", "Always", "ExitCode", "Never")
         pod = rs["template"]["spec"]
         # step 10 + save 120 + worker margin 10 + launcher margin 20
-        assert pod["terminationGracePeriodSeconds"] == 190
+        assert pod["terminationGracePeriodSeconds"] == 160
         (c,) = pod["containers"]
         assert c["name"] == "pytorch" and c["image"] == "registry.example/ddptrain:1"
         env = {e["name"]: e.get("value") for e in c["env"]}
