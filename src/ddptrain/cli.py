@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 -m ddptrain train    # two ranks on this machine
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HEAD:29500 --rdzv-id job1 -m ddptrain train -c cfg.yaml   # on each node
+    ddptrain launch --nnodes 2 --rdzv-endpoint HEAD:29500 --node-addr ME -- train -c cfg.yaml  # on each node
     ddptrain prepare [FILES/GLOBS...] --out data/mine
     ddptrain export runs/default --out model.safetensors
     ddptrain slurm -c cfg.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 [--submit]   # sbatch script
@@ -26,6 +27,8 @@ from ddptrain.data import build_datasets
 from ddptrain.data.corpus import corpus_ready, expand_sources, prepare_corpus, stdlib_sources
 from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import CheckpointError, DataError, UserError
+from ddptrain.launch import add_parser as add_launch_parser
+from ddptrain.launch import launch
 from ddptrain.metrics import MetricsWriter, Progress
 from ddptrain.models import build_model
 from ddptrain.rng import seed_everything
@@ -219,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--out", required=True, help="output .safetensors file (the model config goes beside it as .json)")
     e.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+
+    add_launch_parser(sub)
     _add_cluster_parsers(sub)
     return p
 
@@ -275,6 +280,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return prepare(args.sources, args.out, args.val_fraction)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step)
+    if args.command == "launch":
+        return launch(args)
     if args.command == "slurm":
         return slurm(args)
     if args.command == "k8s":
