@@ -13,11 +13,12 @@ import math
 from collections.abc import Sequence
 
 from ddptrain.config import Config, load_config
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, UserError
+from ddptrain.preemption import EXIT_PREEMPTED
 
-# Exit codes of `ddptrain launch`: a coordinated, resumable stop (EX_TEMPFAIL), and bad input.
-EXIT_PREEMPTED = 75
-EXIT_USAGE = 2
+__all__ = ["EXIT_PREEMPTED", "EXIT_USAGE"]  # the exit codes the job definitions act on
+
+EXIT_USAGE = UserError.exit_code  # bad input: `ddptrain launch` ends with it, a retry cannot help
 # Slack for the workers on top of the user's step and save estimates (signal delivery, agreement).
 _WORKER_MARGIN_S = 10
 # Slack for what follows the workers' exit: the launcher's exit, the rendezvous close, srun or the pod.
