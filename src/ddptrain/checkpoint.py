@@ -149,7 +149,7 @@ class Checkpointer:
         self._done: list[SaveResult] = []
         # Saves coordinate on a gloo group of their own: an async save's collectives run in a
         # background thread and must never interleave with the training loop's.
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600)) if ctx.is_distributed else None
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s)) if ctx.is_distributed else None
         if ctx.is_main and self.dir.is_dir():
             for stale in self.dir.glob(f"{_TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
@@ -210,8 +210,9 @@ class Checkpointer:
             items = {f"{k}.pt": v for k, v in shared.items()} | {f"{k}-rank{self.ctx.rank}.pt": v for k, v in local.items()}
             for name, obj in items.items():
                 entries[name] = _write_durable(tmp / name, _serialize(obj))
-        except OSError as e:
-            error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {e.strerror or e} while writing {tmp.name}"
+        except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
         results = self._agree((error, entries))
         errors = [e for e, _ in results if e]
         committed_error: str | None = "; ".join(errors) if errors else None
