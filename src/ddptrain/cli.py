@@ -239,7 +239,7 @@ def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: igno
     common.add_argument("--save-seconds", type=float, default=60.0, help="time to commit one checkpoint, for the stop window")
 
     s = sub.add_parser("slurm", parents=[common], help="write (and --submit) an sbatch script for a config")
-    s.add_argument("--nproc-per-node", default="auto", help="ranks per node (default auto: GPUs, else 1)")
+    s.add_argument("--nproc-per-node", default="auto", help="ranks per node (default: --gpus-per-node, else launch's auto)")
     s.add_argument("--cpus-per-node", type=int, help="CPUs for each node's launcher and its ranks")
     s.add_argument("--mem", help="memory per node, e.g. 64G")
     s.add_argument("--time", help="time limit, e.g. 24:00:00")

@@ -93,8 +93,10 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         "--requeue",
         *job.extra_sbatch,
     ]
+    # With GPUs, say how many ranks: `auto` would be right too, but the script should show it.
+    nproc = str(job.gpus_per_node) if job.nproc_per_node == "auto" and job.gpus_per_node else job.nproc_per_node
     argv = launch_argv(
-        nnodes=str(job.nodes), nproc_per_node=job.nproc_per_node, endpoint="$RDZV_ENDPOINT",
+        nnodes=str(job.nodes), nproc_per_node=nproc, endpoint="$RDZV_ENDPOINT",
         run_id="$SLURM_JOB_ID", node_addr="$addr", max_restarts=job.max_restarts,
         shutdown_s=worker_stop_s(job.step_s, job.save_s), config_path=str(config_path),
     )
