@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+REQUEUE_DELAY_S = 11  # seconds a requeued job waits before it is eligible again (see cred_expire)
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 
 
@@ -124,7 +125,9 @@ class SlurmCluster:
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire (default 120 s) is also how long SLURM holds a requeued job back (BeginTime
+            # = now + cred_expire + 1), so that no slurmd still holds the revoked credential: 10 s here.
+            f"AuthInfo=socket={self.munge_socket},cred_expire={REQUEUE_DELAY_S - 1}",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -141,6 +144,9 @@ class SlurmCluster:
             "MpiDefault=none",
             "ReturnToService=2",
             "SchedulerType=sched/builtin",
+            # A requeued job becomes eligible when its hold ends, which no event announces: the
+            # periodic pass (default every 60 s) starts it. Once a second here.
+            "SchedulerParameters=sched_interval=1",
             "JobRequeue=1",
             "KillWait=15",
             "MinJobAge=600",
@@ -183,17 +189,14 @@ class SlurmCluster:
             fields.setdefault(key, value)
         return fields
 
-    def wait_for(self, job_id: str, states: set[str], timeout: float, *, release: bool = False) -> dict[str, str]:
-        """Poll until the job is in one of `states`. With release, a requeued job held back by
-        SLURM's fixed BeginTime delay after a requeue is made eligible at once."""
+    def wait_for(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
+        """Poll until the job is in one of `states`; returns its fields."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
-            if release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
             time.sleep(0.2)
         raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {info}\n"
                              f"{_tail(self.logs / 'slurmctld.log')}")

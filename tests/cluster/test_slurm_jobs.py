@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
-from slurm_harness import SlurmCluster, skip_reason
+from helpers import TINY, env_for_subprocess, final_model_state, read_metrics
+from slurm_harness import REQUEUE_DELAY_S, SlurmCluster, skip_reason
 
 pytestmark = pytest.mark.cluster
 
@@ -32,8 +32,13 @@ LAUNCH_MISSING = (
     "`ddptrain launch` (ddptrain/launch.py, issue 4) is not on this branch: the sbatch script starts "
     "one `ddptrain launch` per node"
 )
-# Enough steps that a USR1 sent after the first logged steps lands mid-run.
-LONG = ["train.max_steps=1000", "ckpt.every_steps=0", "log.every_steps=1"]
+# Enough steps that a USR1 sent after the first logged steps lands mid-run; checkpoints only at the
+# end, so a resume can only start from the preemption checkpoint.
+STEPS = 300
+LONG = [f"train.max_steps={STEPS}", "ckpt.every_steps=0", "log.every_steps=1"]
+# One node, two ranks; stop-window estimates small enough for a short --signal lead.
+JOB = ["--nodes", "1", "--nproc-per-node", "2", "--signal-seconds", "60", "--save-seconds", "10", "--step-seconds", "5"]
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"}
 
 
 def _require_launch() -> None:
@@ -98,61 +103,62 @@ def _wait_for_step(run_dir: Path, step: int, timeout: float) -> None:
     raise AssertionError(f"training did not reach step {step} within {timeout} s:\n{_job_log(run_dir)}")
 
 
-@pytest.mark.timeout(240)
-def test_submitted_job_trains_to_the_end(slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(slurm: SlurmCluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """A job of the preemption test's config that nobody interrupts: its run dir and final job fields."""
     _require_launch()
-    run_dir = tmp_path / "run"
-    job = _submit(slurm, tmp_path, [*TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}",
-                                    "--nodes", "1", "--nproc-per-node", "2", "--signal-seconds", "60",
-                                    "--save-seconds", "10", "--step-seconds", "5"])
-    info = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 180)
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job = _submit(slurm, tmp, [*TINY, *LONG, f"data.dir={corpus_dir}", f"run.dir={tmp / 'run'}", *JOB])
+    return tmp / "run", slurm.wait_for(job, DONE, 180)
+
+
+@pytest.mark.timeout(240)
+def test_submitted_job_trains_to_the_end(uninterrupted: tuple[Path, dict[str, str]]) -> None:
+    run_dir, info = uninterrupted
     log = _job_log(run_dir)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", f"{info}\n{log}"
     assert "ddptrain-slurm: training finished" in log
     train = read_metrics(run_dir)
-    assert train[-1]["step"] == 6 and train[-1]["world_size"] == 2
-    assert (run_dir / "checkpoints" / "step-00000006" / "manifest.json").is_file()
+    assert train[-1]["step"] == STEPS and train[-1]["world_size"] == 2
+    assert (run_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").is_file()
 
 
 @pytest.mark.timeout(300)
 def test_preempted_job_requeues_and_resumes_to_the_same_parameters(
-    slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path, pytestconfig: pytest.Config
+    slurm: SlurmCluster, uninterrupted: tuple[Path, dict[str, str]], corpus_dir: Path, tmp_path: Path,
+    pytestconfig: pytest.Config,
 ) -> None:
     _require_coordinated_preemption()
-    common = [*TINY, *LONG, f"data.dir={corpus_dir}"]
-    reference = run_ddptrain([*common, f"run.dir={tmp_path / 'reference'}"], nproc=2, timeout=200)
-    assert reference.returncode == 0, reference.stderr
-
     run_dir = tmp_path / "run"
-    job = _submit(slurm, tmp_path, [*common, f"run.dir={run_dir}", "--nodes", "1", "--nproc-per-node", "2",
-                                    "--signal-seconds", "60", "--save-seconds", "10", "--step-seconds", "5"])
-    _wait_for_step(run_dir, 3, timeout=120)
+    job = _submit(slurm, tmp_path, [*TINY, *LONG, f"data.dir={corpus_dir}", f"run.dir={run_dir}", *JOB])
+    _wait_for_step(run_dir, 2, timeout=120)
     signalled = time.time()
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
-    info = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 200, release=True)
+    info = slurm.wait_for(job, DONE, 200)
     log = _job_log(run_dir)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", f"{info}\n{log}"
     assert "USR1 received" in log and "preempted, checkpoint committed; requeueing" in log
 
     events = read_metrics(run_dir, "event")
     resumed = [e for e in events if e["event"] == "resume"]
     assert len(resumed) == 1, events
     stop_step = resumed[0]["step"]
-    assert 3 <= stop_step < 1000, "the preemption checkpoint must be mid-run"
+    assert 2 <= stop_step < STEPS, "the preemption checkpoint must be mid-run"
     train = read_metrics(run_dir)
-    assert train[-1]["step"] == 1000
     # Every step ran exactly once across the two attempts: nothing lost, nothing repeated.
-    assert sorted(r["step"] for r in train) == list(range(1, 1001))
+    assert sorted(r["step"] for r in train) == list(range(1, STEPS + 1))
 
-    final, expected = final_model_state(run_dir), final_model_state(tmp_path / "reference")
+    final, expected = final_model_state(run_dir), final_model_state(uninterrupted[0])
     assert final.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=f"parameter {name} differs")
 
     requeued = _log_time(log, r"requeueing job \d+ at (\S+)")
-    _report(pytestconfig, f"preemption: USR1 -> checkpoint committed + exit 75 + requeue in "
-                          f"{requeued - signalled:.2f} s; USR1 -> training resumed at step {stop_step} in "
-                          f"{resumed[0]['time'] - signalled:.2f} s (SLURM's ~120 s requeue BeginTime skipped)")
+    restarted = _log_time(log, r"restart 1 on \S+, rendezvous \S+, (\S+)")
+    _report(pytestconfig, f"preemption: USR1 -> checkpoint at step {stop_step} + exit 75 + requeue "
+                          f"{requeued - signalled:.1f} s; requeue -> job running again {restarted - requeued:.1f} s "
+                          f"(SLURM's requeue hold, cred_expire+1 = {REQUEUE_DELAY_S} s here, 121 s by default); "
+                          f"USR1 -> training resumed {resumed[0]['time'] - signalled:.1f} s")
 
 
 def _log_time(log: str, pattern: str) -> float:
@@ -169,12 +175,10 @@ def test_crashing_job_is_requeued_only_up_to_its_bound(slurm: SlurmCluster, corp
     # A model factory that raises (a negative width): every attempt crashes with exit 1, not 2 or 75.
     job = _submit(slurm, tmp_path, [*TINY, f"data.dir={corpus_dir}", "model.target=toy:build_model",
                                     "model.kwargs.dim=-1", f"run.dir={run_dir}",
-                                    "--nodes", "1", "--nproc-per-node", "1", "--max-requeues", "2",
-                                    "--max-restarts", "0", "--signal-seconds", "60", "--save-seconds", "10",
-                                    "--step-seconds", "5"])
-    info = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 200, release=True)
+                                    *JOB, "--nproc-per-node", "1", "--max-requeues", "1",
+                                    "--max-restarts", "0"])
+    info = slurm.wait_for(job, DONE, 200)
     log = _job_log(run_dir)
-    assert info["JobState"] == "FAILED" and info["Restarts"] == "2", f"{info}\n{log}"
-    assert info["ExitCode"] == "1:0"
-    assert log.count("requeueing") == 2 and "after 2 requeues; giving up" in log
-    assert (run_dir / "slurm" / f"crashes-{job}").read_text().strip() == "3"
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0" and info["Restarts"] == "1", f"{info}\n{log}"
+    assert log.count("requeueing") == 1 and "after 1 requeues; giving up" in log
+    assert (run_dir / "slurm" / f"crashes-{job}").read_text().strip() == "2"
