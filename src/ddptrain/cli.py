@@ -31,8 +31,10 @@ from ddptrain.launch import add_parser as add_launch_parser
 from ddptrain.launch import launch
 from ddptrain.metrics import MetricsWriter, Progress
 from ddptrain.models import build_model
+from ddptrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from ddptrain.rng import seed_everything
 from ddptrain.trainer import CheckpointSaveError, NonFiniteError, Trainer
+from ddptrain.triage import Triage
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
@@ -66,6 +68,7 @@ def _train(cfg: Config, ctx: DistContext) -> int:
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, cfg.model_dump(mode="json", by_alias=True))
     trainer = Trainer(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
+    triage = Triage(ctx, run_dir, cfg.dist.timeout_s)
     try:
         found = checkpointer.find_resume(progress.message)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -83,19 +86,39 @@ def _train(cfg: Config, ctx: DistContext) -> int:
         )
         metrics.write("event", event="resume" if found else "start", step=trainer.step, world_size=ctx.world_size,
                       grad_accum=trainer.accum, restart_count=restarts, host=ctx.hostname)
-        trainer.fit()
+        _fit(trainer, triage)
         progress.close()
         progress.message(f"done: {trainer.step} steps; checkpoints in {run_dir / 'checkpoints'}")
         return 0
+    except Preempted as e:
+        progress.close()
+        progress.message(f"{e}: checkpoint committed; run the same command again to resume (exit {EXIT_PREEMPTED})")
+        metrics.write("event", event="preempted", step=trainer.step, signal=e.signal_name, world_size=ctx.world_size)
+        return EXIT_PREEMPTED
     except (NonFiniteError, CheckpointSaveError) as e:
         progress.close()
         progress.message(f"error: {e}")
         metrics.write("event", event="stopped", step=trainer.step, reason=str(e))
         return 1
     finally:
+        triage.close()
         checkpointer.wait()
         metrics.close()
         progress.close()
+
+
+def _fit(trainer: Trainer, triage: Triage) -> None:
+    """trainer.fit() with SIGTERM/SIGUSR1 turned into a coordinated stop and failed steps triaged."""
+    stop = StopRequest().install()
+    trainer.stop_request, trainer.watchdog = stop, triage
+    try:
+        trainer.fit()
+    except (Preempted, NonFiniteError, CheckpointSaveError, UserError):
+        raise  # stops every rank agreed on: nothing to triage
+    except Exception as e:
+        raise triage.failed(e, trainer.step) from e
+    finally:
+        stop.uninstall()
 
 
 def _ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:

@@ -43,6 +43,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain.errors import LaunchError, UserError
 from ddptrain.preemption import EXIT_PREEMPTED
+from ddptrain.triage import TRIAGE_STORE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_USAGE = UserError.exit_code
@@ -124,11 +125,15 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0")
     conf = [f"join_timeout={args.rdzv_timeout}", f"last_call_timeout={args.rdzv_last_call}"]
-    env: dict[str, str] = {}
+    # Each rendezvous round gets a fresh worker store (on rank 0, new port): the store shared
+    # across rounds keeps the previous workers' keys, and a restarted worker that starts early
+    # reads a dead peer's address from them and fails to connect.
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if args.rdzv_endpoint:
         host, _ = _split_endpoint(args.rdzv_endpoint)
         endpoint = args.rdzv_endpoint
         run_id = args.run_id or default_run_id(endpoint)
+        env[TRIAGE_STORE_ENV] = endpoint  # the rendezvous store outlives any worker: triage checks in there
         if args.node_addr:
             # torchrun guesses whether it hosts the store by resolving hostnames, which fails
             # wherever hostnames do not resolve (containers, namespaces): say it explicitly.

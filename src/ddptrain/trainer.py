@@ -29,7 +29,9 @@ from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import CheckpointError
 from ddptrain.metrics import MetricsWriter, Progress
 from ddptrain.precision import Precision
+from ddptrain.preemption import Preempted, StopRequest
 from ddptrain.rng import load_rng_state, rng_state, seed_everything
+from ddptrain.triage import Triage
 
 
 class NonFiniteError(RuntimeError):
@@ -139,6 +141,9 @@ class Trainer:
         self.flops_per_token: float | None = flops() if callable(flops) else None
         self.step = 0
         self._batches: Iterator[Any] | None = None
+        # Set by the CLI: per-step stack watchdog, and the stop request all ranks agree on.
+        self.watchdog: Triage | None = None
+        self.stop_request: StopRequest | None = None
 
     # ---- the training step ----------------------------------------------------------------
 
@@ -259,7 +264,12 @@ class Trainer:
         window_loss = torch.zeros((), device=self.ctx.device)
         window_steps, window_time, window_skipped = 0, 0.0, 0
         while self.step < cfg.train.max_steps:
+            if self.watchdog is not None:
+                self.watchdog.arm()
             result = self.train_step()
+            stop = self.stop_request is not None and self.stop_request.agreed(self.ctx)
+            if self.watchdog is not None:
+                self.watchdog.disarm()
             window_loss += result.loss
             window_steps += 1
             window_time += result.seconds
@@ -271,9 +281,13 @@ class Trainer:
                 window_steps, window_time, window_skipped = 0, 0.0, 0
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or last):
                 self.log_eval()
-            if last or (cfg.ckpt.every_steps and self.step % cfg.ckpt.every_steps == 0):
+            if last or stop or (cfg.ckpt.every_steps and self.step % cfg.ckpt.every_steps == 0):
                 self.save_checkpoint()
                 self.report_saves()
+            if stop and not last:
+                self.checkpointer.wait()
+                self.report_saves()
+                raise Preempted(self.step, self.stop_request.signal_name if self.stop_request else None)
         self.checkpointer.wait()
         self.report_saves()
 

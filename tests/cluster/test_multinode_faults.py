@@ -1,0 +1,334 @@
+"""Multi-node fault scenarios: `ddptrain launch` on two network namespaces ("hosts") on a bridge.
+
+Every node runs one worker (2 CPU cores in CI) of a tiny regression model that sleeps a little in
+each step, so faults land mid-training. Collective timeout 10 s, short rendezvous timeouts.
+Final parameters are compared with an uninterrupted run (plain torchrun, same world size): resume
+from checkpoints is bit-exact on CPU. Each test prints MEASURED lines (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
+from ddptrain.preemption import EXIT_PREEMPTED
+from helpers import env_for_subprocess, final_model_state, run_ddptrain
+from netns import Cluster, Node, unavailable_reason
+
+pytestmark = pytest.mark.cluster
+
+PORT = 29400
+STEPS = 40
+TOY = [
+    "model.target=faulty:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
+    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1",
+    "ckpt.every_steps=10", "dist.timeout_s=10", "dist.startup_timeout_s=90", f"train.max_steps={STEPS}",
+]
+SLOW = "model.kwargs.step_sleep=0.15"  # ~6 s of training: time to inject a fault mid-run
+LAUNCH = [
+    "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-timeout", "30", "--rdzv-last-call", "1",
+    "--shutdown-timeout", "15", "--exit-barrier-timeout", "30",
+    "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10",
+]
+
+
+@pytest.fixture(scope="module")
+def namespaces_ok() -> None:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def cluster(namespaces_ok: None) -> Iterator[Cluster]:
+    """Two fresh hosts; everything in them is killed and removed afterwards, pass or fail."""
+    c = Cluster(2)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, torch.Tensor]]:
+    """Final parameters of an uninterrupted 2-rank run (plain torchrun), cached per config."""
+    cache: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+
+    def get(*extra: str) -> dict[str, torch.Tensor]:
+        if extra not in cache:
+            run_dir = tmp_path_factory.mktemp("reference") / "run"
+            done = run_ddptrain(["train", *TOY, *extra, f"run.dir={run_dir}"], nproc=2, timeout=180)
+            assert done.returncode == 0, done.stderr[-3000:]
+            cache[extra] = final_model_state(run_dir)
+        return cache[extra]
+
+    return get
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs from the uninterrupted run"
+
+
+class Job:
+    """`ddptrain launch` on each node of a cluster, all writing one run dir (a shared filesystem)."""
+
+    def __init__(self, cluster: Cluster, tmp: Path, nnodes: str = "2", launch: list[str] | None = None,
+                 train: list[str] | None = None) -> None:
+        self.cluster, self.tmp = cluster, tmp
+        self.run_dir = tmp / "run"
+        self.host = cluster.nodes[0]
+        self.nnodes = nnodes
+        self.launch_opts = [*LAUNCH, *(launch or [])]
+        self.train_args = [*TOY, *(train or []), f"run.dir={self.run_dir}"]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def argv(self, node: Node) -> list[str]:
+        return [sys.executable, "-m", "ddptrain", "launch", "--nnodes", self.nnodes,
+                "--rdzv-endpoint", f"{self.host.addr}:{PORT}", "--node-addr", node.addr, *self.launch_opts,
+                "--", "train", *self.train_args]
+
+    def start(self, *nodes: Node) -> None:
+        for node in nodes or tuple(self.cluster.nodes):
+            self.procs[node.hostname] = node.start(self.argv(node), env_for_subprocess(), self.log(node))
+
+    def log(self, node: Node) -> Path:
+        return self.tmp / f"{node.hostname}.log"
+
+    def output(self) -> str:
+        return "\n".join(f"--- {n.hostname}\n{self.log(n).read_text()[-4000:]}" for n in self.cluster.nodes if self.log(n).exists())
+
+    def wait(self, timeout: float, *nodes: Node) -> dict[str, int]:
+        """Exit codes of the launchers, waiting at most `timeout` seconds for all of them."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for node in nodes or tuple(self.cluster.nodes):
+            try:
+                codes[node.hostname] = self.procs[node.hostname].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{node.hostname} did not exit within {timeout} s\n{self.output()}")
+        return codes
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            if all(p.poll() is not None for p in self.procs.values()):
+                break
+            time.sleep(0.1)
+        pytest.fail(f"timed out waiting for {what}\n{self.output()}")
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> float:
+        """Wait until training reached `step`; returns the time it was logged."""
+        rec = self.wait_for(f"step {step}", lambda: [r for r in self.records("train") if r["step"] >= step], timeout)
+        return rec[0]["time"]
+
+    def training_again_after(self, t: float, timeout: float = 120, world_size: int | None = None) -> float:
+        """Seconds from t until a train record from a resumed group (optionally at world_size)."""
+
+        def resumed() -> list[dict[str, Any]]:
+            events = [r for r in self.events("resume") if r["time"] > t and (world_size is None or r["world_size"] == world_size)]
+            if not events:
+                return []
+            return [r for r in self.records("train") if r["time"] > events[0]["time"]]
+
+        return self.wait_for("training to resume", resumed, timeout)[0]["time"] - t
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.records("event") if r["event"] == name]
+
+    def workers(self, node: Node) -> list[int]:
+        """The worker pids on a node (every process in it but the launcher)."""
+        launcher = self.procs[node.hostname].pid
+        return [p for p in node.pids() if p != launcher]
+
+
+def measured(scenario: str, **numbers: float) -> None:
+    print(f"MEASURED {scenario}: " + ", ".join(f"{k} {v:.1f} s" for k, v in numbers.items()))
+
+
+# ---- scenarios ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_one_worker_restarts_from_checkpoint(cluster: Cluster, tmp_path: Path, reference: Callable[..., Any]) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_kill = time.time()
+    for pid in job.workers(cluster.nodes[1]):
+        os.kill(pid, signal.SIGKILL)
+    recovery = job.training_again_after(t_kill)
+    assert job.wait(150) == {"node1": 0, "node2": 0}, job.output()
+    assert [(r["step"], r["world_size"]) for r in job.events("resume")] == [(10, 2)]
+    assert_same_params(final_model_state(job.run_dir), reference())
+    measured("SIGKILL one worker", training_again=recovery)
+
+
+@pytest.mark.timeout(240)
+def test_worker_raises_then_resumes(cluster: Cluster, tmp_path: Path, reference: Callable[..., Any]) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW, "model.kwargs.fail_at=15", "model.kwargs.fail_rank=1"])
+    t0 = time.time()
+    job.start()
+    assert job.wait(200) == {"node1": 0, "node2": 0}, job.output()
+    assert [(r["step"], r["world_size"]) for r in job.events("resume")] == [(10, 2)]
+    assert_same_params(final_model_state(job.run_dir), reference())
+    assert "injected failure at forward 15 on rank 1" in (job.run_dir / "stacks" / "rank-1-node2.txt").read_text()
+    measured("worker raises at step 15", whole_job=time.time() - t0)
+
+
+@pytest.mark.timeout(240)
+def test_worker_raises_with_restarts_used_up_fails_with_the_cause(cluster: Cluster, tmp_path: Path) -> None:
+    job = Job(cluster, tmp_path, launch=["--max-restarts", "1"],
+              train=["model.kwargs.fail_at=3", "model.kwargs.fail_rank=1", "model.kwargs.fail_restarts=99"])
+    t0 = time.time()
+    job.start()
+    codes = job.wait(200)
+    assert codes == {"node1": 1, "node2": 1}, job.output()
+    node2 = job.log(cluster.nodes[1]).read_text()
+    assert "job failed" in node2 and "injected failure at forward 3 on rank 1" in node2.split("job failed")[-1]
+    # The other node names the rank that failed on its own, and where it runs.
+    assert "rank 1 (node2) reported RuntimeError: injected failure" in job.log(cluster.nodes[0]).read_text()
+    measured("worker raises, restarts used up", whole_job=time.time() - t0)
+
+
+@pytest.mark.timeout(300)
+def test_node_lost_then_back_elastic(cluster: Cluster, tmp_path: Path) -> None:
+    node1, node2 = cluster.nodes
+    job = Job(cluster, tmp_path, nnodes="1:2", train=[SLOW, "train.max_steps=80"])
+    job.start()
+    job.wait_for_step(15)
+    t_kill = time.time()
+    node2.kill_all()
+    alone = job.training_again_after(t_kill, world_size=1)
+    resumed = job.events("resume")[-1]
+    assert (resumed["world_size"], resumed["grad_accum"]) == (1, 2)  # the global batch of 8 is kept
+    alone_rows = [r for r in job.records("train") if r["time"] > resumed["time"]]
+    assert all(r["global_batch_size"] == 8 and r["world_size"] == 1 for r in alone_rows)
+    t_back = time.time()
+    job.start(node2)
+    together = job.training_again_after(t_back, world_size=2)
+    assert job.wait(200) == {"node1": 0, "node2": 0}, job.output()
+    last = job.records("train")[-1]
+    assert (last["step"], last["world_size"], last["grad_accum"]) == (80, 2, 1)
+    measured("non-host node killed (--nnodes 1:2)", survivor_training_alone=alone)
+    measured("killed node started again", training_at_world_size_2=together)
+
+
+@pytest.mark.timeout(240)
+def test_short_link_outage_recovers(cluster: Cluster, tmp_path: Path, reference: Callable[..., Any]) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_down = time.time()
+    cluster.nodes[1].link(up=False)
+    time.sleep(4)  # well under the 10 s collective timeout
+    cluster.nodes[1].link(up=True)
+    step_at_outage = max(r["step"] for r in job.records("train") if r["time"] <= t_down)
+    progressed = job.wait_for_step(step_at_outage + 2)
+    assert job.wait(150) == {"node1": 0, "node2": 0}, job.output()
+    assert job.events("resume") == []  # rode it out: no restart
+    assert_same_params(final_model_state(job.run_dir), reference())
+    measured("link down 4 s", training_again=progressed - t_down)
+
+
+@pytest.mark.timeout(240)
+def test_long_link_outage_ends_every_node_in_bounded_time(cluster: Cluster, tmp_path: Path) -> None:
+    job = Job(cluster, tmp_path, launch=["--rdzv-timeout", "15"], train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_down = time.time()
+    cluster.nodes[1].link(up=False)
+    codes = job.wait(150)
+    took = time.time() - t_down
+    assert codes["node1"] != 0 and codes["node2"] != 0, job.output()
+    newest = committed_checkpoints(job.run_dir / "checkpoints")[0]
+    assert verify_checkpoint(newest)["step"] >= 10
+    measured("link down for good", every_node_exited=took)
+
+
+@pytest.mark.timeout(240)
+def test_frozen_worker_detected_dumped_and_restarted(cluster: Cluster, tmp_path: Path, reference: Callable[..., Any]) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_stop = time.time()
+    for pid in job.workers(cluster.nodes[1]):
+        os.kill(pid, signal.SIGSTOP)
+    recovery = job.training_again_after(t_stop)
+    assert job.wait(150) == {"node1": 0, "node2": 0}, job.output()
+    stacks = (job.run_dir / "stacks" / "rank-0-node1.txt").read_text()
+    assert "Timed out" in stacks and "did not arrive within 2 s: rank 1 (node2)" in stacks
+    assert "Timeout (0:00:10)!" in stacks  # the watchdog's dump while rank 0 waited in the step
+    assert_same_params(final_model_state(job.run_dir), reference())
+    measured("worker frozen (SIGSTOP)", training_again=recovery)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_every_node_stops_together_with_75_then_resumes(cluster: Cluster, tmp_path: Path,
+                                                               reference: Callable[..., Any]) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_term = time.time()
+    for node in cluster.nodes:  # as a scheduler does: every process of the job gets it
+        node.signal_all(signal.SIGTERM)
+    assert job.wait(60) == {"node1": EXIT_PREEMPTED, "node2": EXIT_PREEMPTED}, job.output()
+    stopped = time.time() - t_term
+    [preempted] = job.events("preempted")
+    newest = committed_checkpoints(job.run_dir / "checkpoints")[0]
+    assert verify_checkpoint(newest)["step"] == preempted["step"] > 15
+    assert max(r["step"] for r in job.records("train")) == preempted["step"]
+    job.start()  # the same command again
+    assert job.wait(150) == {"node1": 0, "node2": 0}, job.output()
+    assert job.events("resume")[-1]["step"] == preempted["step"]
+    assert_same_params(final_model_state(job.run_dir), reference())
+    measured("SIGTERM to every node", all_exited_75=stopped)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_node_ends_the_whole_job(cluster: Cluster, tmp_path: Path) -> None:
+    job = Job(cluster, tmp_path, train=[SLOW])
+    job.start()
+    job.wait_for_step(15)
+    t_term = time.time()
+    job.procs["node2"].send_signal(signal.SIGTERM)  # only node2's launcher (e.g. a pod evicted)
+    assert job.wait(60) == {"node1": EXIT_PREEMPTED, "node2": EXIT_PREEMPTED}, job.output()
+    stopped = time.time() - t_term
+    [preempted] = job.events("preempted")
+    assert verify_checkpoint(committed_checkpoints(job.run_dir / "checkpoints")[0])["step"] == preempted["step"]
+    measured("SIGTERM to one node", all_exited_75=stopped)
+
+
+@pytest.mark.timeout(240)
+def test_rate_limited_link_is_slower_with_the_same_result(cluster: Cluster, tmp_path: Path,
+                                                          reference: Callable[..., Any]) -> None:
+    big = ["model.kwargs.extra_params=200000", "train.max_steps=20"]  # 800 KB of gradients per step
+    cluster.nodes[1].rate_limit("40mbit")
+    job = Job(cluster, tmp_path, train=big)
+    job.start()
+    assert job.wait(200) == {"node1": 0, "node2": 0}, job.output()
+    assert_same_params(final_model_state(job.run_dir), reference(*big))
+    limited = [r["step_time_s"] for r in job.records("train")[5:]]
+    measured("rate-limited link (40 Mbit/s)", median_step=sorted(limited)[len(limited) // 2])
