@@ -17,9 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
+from netns import Node
 
 REQUEUE_DELAY_S = 11  # seconds a requeued job waits before it is eligible again (see cred_expire)
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
@@ -41,6 +44,16 @@ def skip_reason() -> str | None:
     return None
 
 
+def report(config: pytest.Config, line: str) -> None:
+    """A measurement line in the test log, shown even with -q and output capture on."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"[cluster] {line}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,11 +68,17 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 class SlurmCluster:
-    """One slurmctld + one slurmd (node named after `hostname -s`, NodeAddr=127.0.0.1)."""
+    """slurmctld + slurmd: by default one node named after `hostname -s` with NodeAddr=127.0.0.1;
+    given network-namespace hosts (tests/cluster/netns.py), one slurmd per host under the host's
+    name and address, and slurmctld on the first host."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, hosts: Sequence[Node] = ()) -> None:
         self.root = root
-        self.node = socket.gethostname().split(".")[0]
+        self.hosts = list(hosts)
+        if self.hosts:
+            self.nodes = [(h.hostname, h.addr) for h in self.hosts]
+        else:
+            self.nodes = [(socket.gethostname().split(".")[0], "127.0.0.1")]
         # munged insists that every folder above its socket is traversable by everyone, which the
         # test's tmp folder (0700) is not: the munge folders get a world-readable temp dir of their own.
         self.munge_dir = Path(tempfile.mkdtemp(prefix="ddptrain-munge-"))
@@ -76,21 +95,31 @@ class SlurmCluster:
         for sub in ("state", "spool", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(self._slurm_conf())
-        for daemon in ("slurmctld", "slurmd"):
-            proc = subprocess.run([daemon, "-f", str(self.conf)], capture_output=True, text=True, timeout=30)
-            if proc.returncode != 0:
-                self.stop()
-                pytest.skip(f"{daemon} did not start: {proc.stderr.strip()} {_tail(self.logs / f'{daemon}.log')}")
+        if self.hosts:
+            # In the foreground (-D) inside each host's namespace; the host owns and kills them.
+            conf = ["-f", str(self.conf)]
+            self.hosts[0].start(["slurmctld", "-D", *conf], os.environ.copy(), self.logs / "slurmctld.out")
+            for host in self.hosts:
+                host.start(["slurmd", "-D", "-N", host.hostname, *conf], os.environ.copy(), self.logs / f"slurmd-{host.hostname}.out")
+        else:
+            for daemon in ("slurmctld", "slurmd"):
+                proc = subprocess.run([daemon, "-f", str(self.conf)], capture_output=True, text=True, timeout=30)
+                if proc.returncode != 0:
+                    self.stop()
+                    pytest.skip(f"{daemon} did not start: {proc.stderr.strip()} {self._logs()}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.strip()
-            if out in ("idle", "mixed"):
+            states = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+            if len(states) == len(self.nodes) and all(s in ("idle", "mixed") for s in states):
                 self.started_s = time.monotonic() - t0
                 return
             time.sleep(0.1)
-        logs = _tail(self.logs / "slurmctld.log") + "\n" + _tail(self.logs / "slurmd.log")
+        logs = self._logs()
         self.stop()
-        pytest.skip(f"the SLURM node did not become idle within {timeout} s:\n{logs}")
+        pytest.skip(f"the SLURM nodes did not become idle within {timeout} s:\n{logs}")
+
+    def _logs(self) -> str:
+        return "\n".join(_tail(p) for p in sorted(self.logs.glob("slurm*.log")))
 
     def _start_munged(self) -> None:
         run_dir, private = self.munge_dir / "run", self.munge_dir / "private"
@@ -117,9 +146,11 @@ class SlurmCluster:
 
     def _slurm_conf(self) -> str:
         r = self.root
+        cpus = max(1, (os.cpu_count() or 1) // len(self.nodes))
+        head, head_addr = self.nodes[0]
         return "\n".join([
             "ClusterName=ddptest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={head}({head_addr})",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -129,11 +160,11 @@ class SlurmCluster:
             # = now + cred_expire + 1), so that no slurmd still holds the revoked credential: 10 s here.
             f"AuthInfo=socket={self.munge_socket},cred_expire={REQUEUE_DELAY_S - 1}",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",  # %n: the node name, one folder per slurmd
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.logs / 'slurmd.log'}",
+            f"SlurmdLogFile={self.logs / 'slurmd-%n.log'}",
             # No cgroups here (and none needed): track processes by parentage, bind nothing.
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
@@ -150,7 +181,9 @@ class SlurmCluster:
             "JobRequeue=1",
             "KillWait=15",
             "MinJobAge=600",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN",
+            # Namespace hosts share this machine's CPUs: each gets its share, trusted over the hardware.
+            *(["SlurmdParameters=config_overrides"] if self.hosts else []),
+            *(f"NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN" for name, addr in self.nodes),
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
         ])
@@ -160,7 +193,8 @@ class SlurmCluster:
         if self.conf.exists():
             self.run(["scancel", "--full", "--user=root"], check=False)
             time.sleep(0.5)
-        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.munge_dir / "run" / "munged.pid"):
+        pid_files = [self.root / f"slurmd-{name}.pid" for name, _ in self.nodes]
+        for pid_file in (*pid_files, self.root / "slurmctld.pid", self.munge_dir / "run" / "munged.pid"):
             _stop_pid_file(pid_file)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import TINY, env_for_subprocess, final_model_state, read_metrics
-from slurm_harness import REQUEUE_DELAY_S, SlurmCluster, skip_reason
+from slurm_harness import REQUEUE_DELAY_S, SlurmCluster, report, skip_reason
 
 pytestmark = pytest.mark.cluster
 
@@ -63,18 +63,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
         pytest.skip(reason)
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     cluster.start()
-    _report(pytestconfig, f"SLURM cluster (munged, slurmctld, slurmd) up and idle in {cluster.started_s:.2f} s")
+    report(pytestconfig, f"SLURM cluster (munged, slurmctld, slurmd) up and idle in {cluster.started_s:.2f} s")
     try:
         yield cluster
     finally:
         cluster.stop()
-
-
-def _report(config: pytest.Config, line: str) -> None:
-    """A measurement line in the test log (shown even with -q)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"[cluster] {line}")
 
 
 def _submit(slurm: SlurmCluster, cwd: Path, args: list[str]) -> str:
@@ -155,7 +148,7 @@ def test_preempted_job_requeues_and_resumes_to_the_same_parameters(
 
     requeued = _log_time(log, r"requeueing job \d+ at (\S+)")
     restarted = _log_time(log, r"restart 1 on \S+, rendezvous \S+, (\S+)")
-    _report(pytestconfig, f"preemption: USR1 -> checkpoint at step {stop_step} + exit 75 + requeue "
+    report(pytestconfig, f"preemption: USR1 -> checkpoint at step {stop_step} + exit 75 + requeue "
                           f"{requeued - signalled:.1f} s; requeue -> job running again {restarted - requeued:.1f} s "
                           f"(SLURM's requeue hold, cred_expire+1 = {REQUEUE_DELAY_S} s here, 121 s by default); "
                           f"USR1 -> training resumed {resumed[0]['time'] - signalled:.1f} s")
