@@ -85,6 +85,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.logs = root / "log"
         self.started_s: float | None = None
+        self._daemons: list[subprocess.Popen[bytes]] = []  # foreground daemons on namespace hosts
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -95,12 +96,13 @@ class SlurmCluster:
         for sub in ("state", "spool", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(self._slurm_conf())
+        for name, _ in self.nodes:
+            (self.root / "spool" / name).mkdir(exist_ok=True)
         if self.hosts:
-            # In the foreground (-D) inside each host's namespace; the host owns and kills them.
             conf = ["-f", str(self.conf)]
-            self.hosts[0].start(["slurmctld", "-D", *conf], os.environ.copy(), self.logs / "slurmctld.out")
+            self._start_on(self.hosts[0], ["slurmctld", "-D", *conf])
             for host in self.hosts:
-                host.start(["slurmd", "-D", "-N", host.hostname, *conf], os.environ.copy(), self.logs / f"slurmd-{host.hostname}.out")
+                self._start_on(host, ["slurmd", "-D", "-N", host.hostname, *conf])
         else:
             for daemon in ("slurmctld", "slurmd"):
                 proc = subprocess.run([daemon, "-f", str(self.conf)], capture_output=True, text=True, timeout=30)
@@ -117,6 +119,20 @@ class SlurmCluster:
         logs = self._logs()
         self.stop()
         pytest.skip(f"the SLURM nodes did not become idle within {timeout} s:\n{logs}")
+
+    def _start_on(self, host: Node, argv: list[str]) -> None:
+        """A daemon in the foreground in the host's network namespace, under its hostname.
+
+        nsenter rather than `ip netns exec`: the latter mounts a fresh /sys, without the cgroup
+        mounts that slurmd checks at start-up even with proctrack/linuxproc. The host's close()
+        kills whatever runs in its namespace."""
+        log = open(self.logs / f"{argv[0]}-{host.hostname}.out", "ab")
+        self._daemons.append(subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{host.ns}", "unshare", "--uts", "sh", "-c",
+             f'hostname {host.hostname} && exec "$@"', "sh", *argv],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+        log.close()
 
     def _logs(self) -> str:
         return "\n".join(_tail(p) for p in sorted(self.logs.glob("slurm*.log")))
@@ -196,6 +212,12 @@ class SlurmCluster:
         pid_files = [self.root / f"slurmd-{name}.pid" for name, _ in self.nodes]
         for pid_file in (*pid_files, self.root / "slurmctld.pid", self.munge_dir / "run" / "munged.pid"):
             _stop_pid_file(pid_file)
+        for proc in self._daemons:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     # ---- jobs ---------------------------------------------------------------------------------
