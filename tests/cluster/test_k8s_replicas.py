@@ -111,4 +111,6 @@ def test_manifest_replicas_train_to_the_end(corpus_dir: Path, tmp_path: Path, po
     assert codes == {"Master-0": 0, "Worker-0": 0}, logs
     train = read_metrics(pvc / "runs" / "k8s")
     assert train[-1]["step"] == 6 and train[-1]["world_size"] == 2, logs
+    if pod_hosts:  # rank 0 ran on one of the namespace hosts, under its hostname
+        assert read_metrics(pvc / "runs" / "k8s", "event")[0]["host"] in {h.hostname for h in pod_hosts}
     assert (pvc / "runs" / "k8s" / "checkpoints" / "step-00000006" / "manifest.json").is_file()
