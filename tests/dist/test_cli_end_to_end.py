@@ -64,3 +64,14 @@ def test_user_model_and_data_through_targets(tmp_path: Path) -> None:
     assert train[-1]["loss"] < train[0]["loss"]
     assert "tokens_per_s" not in train[0]  # no tokens in this task
     assert len(read_metrics(run_dir, "eval")) == 2
+
+
+@pytest.mark.timeout(180)
+def test_shipped_example_trains_under_torchrun(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "regression"
+    run_dir = tmp_path / "run"
+    result = run_ddptrain(["train", "-c", str(example / "config.yaml"), f"run.dir={run_dir}", "train.max_steps=60",
+                           "log.every_steps=1", "train.eval_every=60"], nproc=2, env={"PYTHONPATH": str(example)})
+    assert result.returncode == 0, result.stderr
+    losses = [m["loss"] for m in read_metrics(run_dir)]
+    assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
