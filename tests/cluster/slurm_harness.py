@@ -1,4 +1,5 @@
-"""A real one-node SLURM cluster for the tests: munged, slurmctld and slurmd as root on loopback.
+"""A real SLURM cluster for the tests: munged, slurmctld and slurmd as root, either one node on
+loopback or one slurmd per network-namespace host of the multi-host harness (tests/cluster/netns.py).
 
 Everything lives in folders of its own (config, state, spool, logs, munge socket and key) and on
 free ports, so a test session neither needs nor disturbs a system-wide SLURM or munge. The daemons
@@ -25,7 +26,7 @@ import pytest
 from netns import Node
 
 REQUEUE_DELAY_S = 11  # seconds a requeued job waits before it is eligible again (see cred_expire)
-BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel", "runuser", "nsenter")
 
 
 def skip_reason() -> str | None:
