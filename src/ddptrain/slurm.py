@@ -109,6 +109,9 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         header=header, run=cfg.run.name, run_dir=shlex.quote(str(run_dir)), max_requeues=job.max_requeues,
         port=job.rdzv_port, nodes=job.nodes, node_cmd=shlex.quote(node_cmd), preempted=EXIT_PREEMPTED,
         usage=EXIT_USAGE,
+        # srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): without it each
+        # node's launcher and all its ranks would share one CPU.
+        srun_cpus=f" --cpus-per-task={job.cpus_per_node}" if job.cpus_per_node else "",
     )
 
 
@@ -142,7 +145,7 @@ forward_usr1() {{
 }}
 trap forward_usr1 USR1
 
-srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {node_cmd} &
+srun --nodes={nodes} --ntasks-per-node=1{srun_cpus} --kill-on-bad-exit=0 bash -c {node_cmd} &
 step_pid=$!
 while :; do
     interrupted=0

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from helpers import run_ddptrain
+import pytest
+
+from ddptrain.cli import main
 
 
-def _manifest(tmp_path: Path, *args: str) -> tuple[int, str, list[dict[str, Any]]]:
-    proc = run_ddptrain(["k8s", "--image", "registry.example/ddptrain:1", *args], cwd=tmp_path)
-    docs = list(yaml.safe_load_all(proc.stdout)) if proc.returncode == 0 else []
-    return proc.returncode, proc.stderr, docs
+def _manifest(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, list[dict[str, Any]]]:
+    """`ddptrain k8s` in-process: (exit code, stderr, the YAML documents it printed)."""
+    rc = main(["k8s", "--image", "registry.example/ddptrain:1", *args])
+    out, err = capsys.readouterr()
+    return rc, err, list(yaml.safe_load_all(out)) if rc == 0 else []
 
 
-def test_pytorchjob_has_operator_fields(tmp_path: Path) -> None:
-    rc, err, docs = _manifest(tmp_path, "train.max_steps=9", "--nodes", "4", "--min-nodes", "2",
+def test_pytorchjob_has_operator_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err, docs = _manifest(capsys, "train.max_steps=9", "--nodes", "4", "--min-nodes", "2",
                               "--nproc-per-node", "8", "--gpus-per-node", "8", "--cpu", "32", "--memory", "200Gi",
                               "--pvc", "team-runs", "--save-seconds", "120", "--step-seconds", "10")
     assert rc == 0, err
@@ -55,13 +57,13 @@ def test_pytorchjob_has_operator_fields(tmp_path: Path) -> None:
         assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
 
 
-def test_one_node_job_has_no_workers_and_bad_input_is_refused(tmp_path: Path) -> None:
-    rc, err, docs = _manifest(tmp_path, "--nodes", "1")
+def test_one_node_job_has_no_workers_and_bad_input_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err, docs = _manifest(capsys, "--nodes", "1")
     assert rc == 0, err
     assert set(docs[1]["spec"]["pytorchReplicaSpecs"]) == {"Master"}
     for bad, message in ((["--grace-seconds", "30"], "--grace-seconds=30 s is shorter"),
                          (["--min-nodes", "3", "--nodes", "2"], "--min-nodes 3 must be between"),
                          (["run.name=Big_Run!"], "is not a DNS label"),
                          (["ckpt.resume=never"], "use ckpt.resume=auto")):
-        rc, err, _ = _manifest(tmp_path, *bad)
+        rc, err, _ = _manifest(capsys, *bad)
         assert rc == 2 and message in err, (bad, err)
