@@ -14,9 +14,6 @@ from collections.abc import Sequence
 
 from ddptrain.config import Config, load_config
 from ddptrain.errors import ConfigError, UserError
-from ddptrain.preemption import EXIT_PREEMPTED
-
-__all__ = ["EXIT_PREEMPTED", "EXIT_USAGE"]  # the exit codes the job definitions act on
 
 EXIT_USAGE = UserError.exit_code  # bad input: `ddptrain launch` ends with it, a retry cannot help
 # Slack for the workers on top of the user's step and save estimates (signal delivery, agreement).

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError, LaunchError
-from ddptrain.jobspec import EXIT_PREEMPTED, EXIT_USAGE, check_stop_window, launch_argv, stop_budget_s, worker_stop_s
+from ddptrain.jobspec import EXIT_USAGE, check_stop_window, launch_argv, stop_budget_s, worker_stop_s
+from ddptrain.preemption import EXIT_PREEMPTED
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
