@@ -118,7 +118,7 @@ def _fit(trainer: Trainer, triage: Triage) -> None:
     except (Preempted, NonFiniteError, CheckpointSaveError, UserError):
         raise  # stops every rank agreed on: nothing to triage
     except Exception as e:
-        raise triage.failed(e, trainer.step) from e
+        raise triage.failed(e, trainer.step + 1) from e
     finally:
         stop.uninstall()
 

@@ -30,6 +30,8 @@ import signal
 import socket
 import struct
 import sys
+import threading
+import time
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -164,18 +166,38 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
 
 
 class _Agent(LocalElasticAgent):
-    """torchrun's agent, plus: exit codes 75 and 2 end the job; stops wait --shutdown-timeout."""
+    """torchrun's agent, plus: exit codes 75 and 2 end the job; stops wait --shutdown-timeout;
+    a deadline on every phase that talks to the rendezvous store (see _StallGuard)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, store_limit_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exit_codes: dict[int, int] = {}  # local rank -> exit code of the last worker group
+        self.store_limit_s = store_limit_s
+        self.deadline: float | None = None  # monotonic time by which the current phase must end
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.is_failed() and any(f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
             # The same idiom torchrun uses for workers stuck in the kernel: no restart.
             self._remaining_restarts = 0
+        # While healthy the agent next asks the store whether nodes are waiting to join.
+        healthy = result.state == WorkerState.HEALTHY
+        self.deadline = time.monotonic() + self.store_limit_s if healthy else None
         return result
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.deadline = time.monotonic() + 2 * self.store_limit_s  # the join timeout, then the store's
+        try:
+            super()._rendezvous(worker_group)
+        finally:
+            self.deadline = None
+
+    def _exit_barrier(self) -> None:
+        self.deadline = time.monotonic() + self._exit_barrier_timeout + self.store_limit_s
+        try:
+            super()._exit_barrier()
+        finally:
+            self.deadline = None
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)  # the base class waits a fixed 30 s
@@ -188,6 +210,36 @@ class _Agent(LocalElasticAgent):
             done = self._pcontext.wait(0)
             if done is not None:
                 self.exit_codes = {r: 0 for r in done.return_values} | {f.local_rank: f.exitcode for f in done.failures.values()}
+
+
+class _StallGuard(threading.Thread):
+    """Ends the launcher when the agent overruns a phase's deadline.
+
+    torchrun's agent can block for minutes in a call to an unreachable rendezvous store: seen
+    here with the network of a non-host node cut, its keep-alive thread held the lock that the
+    monitoring loop waited on, long after the workers had failed. Bounded instead: once the store
+    has been unreachable for the rendezvous timeout, the workers are killed and we exit 1.
+    """
+
+    def __init__(self, agent: _Agent) -> None:
+        super().__init__(name="ddptrain-stall-guard", daemon=True)
+        self.agent = agent
+
+    def run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            deadline = self.agent.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        _say(f"the rendezvous store was unreachable for over {self.agent.store_limit_s:g} s "
+             "(host node or network gone?): stopping this node")
+        pcontext = self.agent._pcontext  # the worker processes are in sessions of their own
+        for pid in (pcontext.pids().values() if pcontext is not None else ()):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(EXIT_FAILED)  # the main thread is stuck in the store call: no cleanup is possible
 
 
 def _make_agent(config: LaunchConfig, entrypoint: str, args: list[str], exit_barrier_timeout: float) -> _Agent:
@@ -207,6 +259,7 @@ def _make_agent(config: LaunchConfig, entrypoint: str, args: list[str], exit_bar
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
         exit_barrier_timeout=exit_barrier_timeout, log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        store_limit_s=float(config.rdzv_configs["join_timeout"]),
     )
 
 
@@ -222,7 +275,8 @@ def exit_code_for(codes: list[int]) -> int:
 def _describe(failures: dict[int, ProcessFailure]) -> str:
     rank, first = min(failures.items(), key=lambda kv: kv[1].timestamp)
     how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-    cause = first.message if isinstance(first.message, str) and "To enable traceback" not in first.message else ""
+    # The error file written by record() in the worker holds {"message": {"message": "Type: text", ...}}.
+    cause = first.message.get("message", "") if isinstance(first.message, dict) else ""
     return f"rank {rank} ({socket.gethostname()}) ended with {how}" + (f": {cause}" if cause else " (its error is in the log above)")
 
 
@@ -249,6 +303,7 @@ def launch(args: argparse.Namespace) -> int:
     except (ValueError, AssertionError, RuntimeError) as e:
         raise LaunchError(f"invalid launch options: {e}") from None
     agent = _make_agent(config, entrypoint, entry_args, args.exit_barrier_timeout)  # type: ignore[arg-type]
+    _StallGuard(agent).start()
     shutdown_rdzv = True
     try:
         result = agent.run()
@@ -264,7 +319,7 @@ def launch(args: argparse.Namespace) -> int:
     except RendezvousError as e:
         if exit_code_for(list(agent.exit_codes.values())) == EXIT_PREEMPTED:
             return EXIT_PREEMPTED  # the host node left first after the same coordinated stop
-        _say(f"rendezvous failed: {type(e).__name__}: {e}")
+        _say(f"rendezvous failed: {type(e).__name__}: {str(e) or 'the nodes did not all join in time'}")
         return EXIT_FAILED
     finally:
         if shutdown_rdzv:

@@ -77,11 +77,11 @@ class Triage:
         faulthandler.cancel_dump_traceback_later()
 
     def failed(self, exc: BaseException, step: int) -> RankFailure:
-        """Record a failed step (stacks, traceback, who arrived) and return the error to raise."""
+        """Record a failure in `step` (stacks, traceback, who arrived) and return the error to raise."""
         self.disarm()
         what = _first_line(exc)
         report = self._check_in(is_collective_failure(exc), what) if self.ctx.is_distributed else ""
-        summary = f"rank {self.ctx.rank} on {self.ctx.hostname} failed at step {step}: {what}{report}; stacks in {self.path}"
+        summary = f"rank {self.ctx.rank} on {self.ctx.hostname} failed in step {step}: {what}{report}; stacks in {self.path}"
         self._file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {summary}\n")
         self._file.write("".join(traceback.format_exception(exc)))
         self._file.write("--- all threads at the time of the report:\n")

@@ -102,7 +102,8 @@ class Job:
 
     def start(self, *nodes: Node) -> None:
         for node in nodes or tuple(self.cluster.nodes):
-            self.procs[node.hostname] = node.start(self.argv(node), env_for_subprocess(), self.log(node))
+            env = env_for_subprocess({"LOGLEVEL": "INFO"})  # the agents say what they do, in the node logs
+            self.procs[node.hostname] = node.start(self.argv(node), env, self.log(node))
 
     def log(self, node: Node) -> Path:
         return self.tmp / f"{node.hostname}.log"
