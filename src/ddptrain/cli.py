@@ -11,6 +11,8 @@
     ddptrain report runs/default                     # plots + summary into runs/default/report/
     ddptrain doctor                                  # bring-up checks (alone, or as every rank under torchrun)
     ddptrain generate runs/default --prompt "def "   # sample from the built-in GPT
+    ddptrain slurm -c cfg.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 [--submit]   # sbatch script
+    ddptrain k8s -c cfg.yaml --nodes 4 --image REGISTRY/ddptrain:TAG > job.yaml         # PyTorchJob
 """
 
 from __future__ import annotations
@@ -204,6 +206,48 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     return 0
 
 
+def slurm(args: argparse.Namespace) -> int:
+    """Write the sbatch script for a config (and submit it with --submit)."""
+    from ddptrain.jobspec import load_job_config
+    from ddptrain.slurm import SlurmJob, submit, write_script
+
+    cfg = load_job_config(args.config, args.overrides)
+    job = SlurmJob(
+        nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpus_per_node=args.cpus_per_node,
+        gpus_per_node=args.gpus_per_node, mem=args.mem, time=args.time, partition=args.partition,
+        account=args.account, job_name=args.job_name, signal_s=args.signal_seconds, max_requeues=args.max_requeues,
+        max_restarts=args.max_restarts, rdzv_port=args.rdzv_port, step_s=args.step_seconds,
+        save_s=args.save_seconds, python=args.python, extra_sbatch=tuple(args.sbatch_arg),
+    )
+    script = write_script(cfg, job, Path(args.out) if args.out else None)
+    print(f"wrote {script}")
+    if args.submit:
+        print(f"submitted job {submit(script)}")
+    return 0
+
+
+def k8s(args: argparse.Namespace) -> int:
+    """Print (or write) the PyTorchJob manifest for a config."""
+    from ddptrain.jobspec import load_job_config
+    from ddptrain.k8s import K8sJob, render_manifest
+
+    cfg = load_job_config(args.config, args.overrides)
+    job = K8sJob(
+        image=args.image, name=args.name, namespace=args.namespace, nodes=args.nodes, min_nodes=args.min_nodes,
+        nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory, gpus_per_node=args.gpus_per_node,
+        pvc=args.pvc, shared_mount=args.shared_mount, config_mount=args.config_mount,
+        max_restarts=args.max_restarts, rdzv_port=args.rdzv_port, step_s=args.step_seconds,
+        save_s=args.save_seconds, grace_s=args.grace_seconds,
+    )
+    text = render_manifest(cfg, job)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
 # ---- argument parsing -------------------------------------------------------------------------
 
 
@@ -245,7 +289,50 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest bytes; 0 for all")
     g.add_argument("--seed", type=int, default=0)
+    _add_cluster_parsers(sub)
     return p
+
+
+def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", help="YAML config file (frozen into the job definition)")
+    common.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
+    common.add_argument("--nodes", type=int, default=1, help="nodes (one `ddptrain launch` each)")
+    common.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU only)")
+    common.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts per launch (torchrun)")
+    common.add_argument("--step-seconds", type=float, default=30.0, help="longest optimizer step, for the stop window")
+    common.add_argument("--save-seconds", type=float, default=60.0, help="time to commit one checkpoint, for the stop window")
+
+    s = sub.add_parser("slurm", parents=[common], help="write (and --submit) an sbatch script for a config")
+    s.add_argument("--nproc-per-node", default="auto", help="ranks per node (default: --gpus-per-node, else launch's auto)")
+    s.add_argument("--cpus-per-node", type=int, help="CPUs for each node's launcher and its ranks")
+    s.add_argument("--mem", help="memory per node, e.g. 64G")
+    s.add_argument("--time", help="time limit, e.g. 24:00:00")
+    s.add_argument("--partition", help="SLURM partition")
+    s.add_argument("--account", help="SLURM account")
+    s.add_argument("--job-name", help="job name (default ddptrain-<run.name>)")
+    s.add_argument("--signal-seconds", type=int, default=180, help="USR1 this long before the time limit")
+    s.add_argument("--max-requeues", type=int, default=3, help="requeues after crashes (preemptions are not counted)")
+    s.add_argument("--rdzv-port", type=int, default=29500, help="rendezvous port on the first node")
+    s.add_argument("--python", default=sys.executable, help="interpreter on the nodes (default: this one)")
+    s.add_argument("--sbatch-arg", action="append", default=[], help="extra #SBATCH directive, e.g. --qos=high")
+    s.add_argument("--out", help="script path (default run.dir/slurm/job.sbatch)")
+    s.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
+
+    k = sub.add_parser("k8s", parents=[common], help="write a Kubeflow PyTorchJob manifest for a config")
+    k.add_argument("--image", required=True, help="container image with ddptrain installed")
+    k.add_argument("--name", help="job name (default ddptrain-<run.name>)")
+    k.add_argument("--namespace", help="Kubernetes namespace")
+    k.add_argument("--min-nodes", type=int, help="elastic minimum (default --nodes: not elastic)")
+    k.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod")
+    k.add_argument("--cpu", default="4", help="CPU request and limit per pod")
+    k.add_argument("--memory", default="16Gi", help="memory request and limit per pod")
+    k.add_argument("--pvc", help="ReadWriteMany PVC holding run.dir (default <name>-runs)")
+    k.add_argument("--shared-mount", default="/shared", help="mount path of the PVC; the working directory")
+    k.add_argument("--config-mount", default="/etc/ddptrain", help="mount path of the config ConfigMap")
+    k.add_argument("--rdzv-port", type=int, default=29400, help="rendezvous port on the master pod")
+    k.add_argument("--grace-seconds", type=int, help="terminationGracePeriodSeconds (default: the stop budget)")
+    k.add_argument("--out", help="manifest file (default: standard output)")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -266,6 +353,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return doctor(args.backend, args.timeout, args.max_mb, args.endpoint)
     if args.command == "generate":
         return generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    if args.command == "slurm":
+        return slurm(args)
+    if args.command == "k8s":
+        return k8s(args)
     raise AssertionError(args.command)
 
 
