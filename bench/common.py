@@ -127,7 +127,10 @@ class Baton:
         if self.round == 0:
             (self.folder / f"{self.name}.ready.{self.rank}").touch()
         go = self.folder / f"{self.name}.go.{self.round}"
+        stop = self.folder / f"{self.name}.stop"
         while not go.exists():
+            if stop.exists():
+                return False
             time.sleep(POLL_S)
         return go.read_text() == "run"
 
@@ -219,8 +222,8 @@ class Session:
         return "\n".join(text.splitlines()[-lines:])
 
     def __exit__(self, *exc: object) -> None:
-        for name in self.variants:
-            _write_atomic(self.folder / f"{name}.go.{self.rounds[name]}", "stop")
+        for name in self.variants:  # also reaches a variant still busy with an interrupted round
+            (self.folder / f"{name}.stop").touch()
         for name, p in self.procs.items():
             try:
                 p.wait(timeout=60)
