@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -45,14 +46,22 @@ def env_for_subprocess(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_ddptrain(args: list[str], *, nproc: int = 0, timeout: float = 120, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0."""
+                 cwd: Path | None = None, max_file_bytes: int | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0.
+
+    max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
+    """
+    def limit() -> None:
+        if max_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "ddptrain", *args]
     else:
         cmd = [sys.executable, "-m", "ddptrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd,
+                          preexec_fn=limit if max_file_bytes is not None else None)
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ per rank, so tests can check which samples a run consumed.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -51,3 +52,36 @@ class RecordingRegressor(nn.Module):
 
 def build_model(dim: int = 8, record_dir: str | None = None) -> nn.Module:
     return RecordingRegressor(dim, record_dir)
+
+
+class KillableGPT(nn.Module):
+    """The built-in GPT that SIGKILLs its own process at its n-th training forward, once.
+
+    A marker file records that the kill happened, so the restarted run trains through. This
+    puts a real SIGKILL at an exact point: mid gradient accumulation, or right before a save.
+    """
+
+    def __init__(self, gpt: nn.Module, die_at_call: int, marker: str, rank: int) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.calls = 0
+        self.armed = int(os.environ.get("RANK", "0")) == rank and not Path(marker).exists()
+        self.die_at_call, self.marker = die_at_call, Path(marker)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.armed and self.calls == self.die_at_call:
+                self.marker.write_text(str(self.calls))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.gpt(idx, targets)
+
+    def flops_per_token(self) -> float:
+        return self.gpt.flops_per_token()
+
+
+def build_killable_gpt(die_at_call: int, marker: str, rank: int = 0, **gpt: object) -> nn.Module:
+    from ddptrain.config import ModelConfig
+    from ddptrain.models.gpt import GPT
+
+    return KillableGPT(GPT(ModelConfig(**gpt)), die_at_call, marker, rank)

@@ -17,7 +17,6 @@ checkpoint is skipped with a warning naming the file, and the next older one is 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed as dist
@@ -53,19 +52,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, data: bytes | memoryview) -> dict[str, Any]:
-    """Write bytes, fsync, and return the manifest entry (hash computed from the same buffer)."""
+class _HashingWriter:
+    """A file wrapper that hashes what passes through: torch.save streams into the file and the
+    SHA-256 comes for free, with no second in-memory copy of the state and no re-read."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            self.f.write(data)
+        except OSError as e:
+            self.error = e  # torch's zip writer reports only "unexpected pos": keep the real cause
+            raise
+        self.sha256.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_durable(path: Path, obj: Any) -> dict[str, Any]:
+    """Write obj (bytes as they are, anything else through torch.save), fsync, return its manifest entry."""
     with open(path, "wb") as f:
-        f.write(data)
+        writer = _HashingWriter(f)
+        if isinstance(obj, bytes):
+            writer.write(obj)
+        else:
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-
-
-def _serialize(obj: Any) -> memoryview:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getbuffer()
+    return {"sha256": writer.sha256.hexdigest(), "size": writer.size}
 
 
 def _sha256_file(path: Path) -> str:
@@ -149,7 +173,7 @@ class Checkpointer:
         self._done: list[SaveResult] = []
         # Saves coordinate on a gloo group of their own: an async save's collectives run in a
         # background thread and must never interleave with the training loop's.
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600)) if ctx.is_distributed else None
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s)) if ctx.is_distributed else None
         if ctx.is_main and self.dir.is_dir():
             for stale in self.dir.glob(f"{_TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
@@ -209,9 +233,10 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             items = {f"{k}.pt": v for k, v in shared.items()} | {f"{k}-rank{self.ctx.rank}.pt": v for k, v in local.items()}
             for name, obj in items.items():
-                entries[name] = _write_durable(tmp / name, _serialize(obj))
-        except OSError as e:
-            error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {e.strerror or e} while writing {tmp.name}"
+                entries[name] = _write_durable(tmp / name, obj)
+        except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
         results = self._agree((error, entries))
         errors = [e for e, _ in results if e]
         committed_error: str | None = "; ".join(errors) if errors else None

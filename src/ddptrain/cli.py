@@ -76,6 +76,8 @@ def _train(cfg: Config, ctx: DistContext) -> int:
             f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x {trainer.accum}, "
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, run dir {run_dir}"
         )
+        if trainer.step >= cfg.train.max_steps:
+            progress.message(f"nothing to do: already at step {trainer.step} (train.max_steps={cfg.train.max_steps})")
         metrics.write("event", event="resume" if found else "start", step=trainer.step, world_size=ctx.world_size,
                       grad_accum=trainer.accum, restart_count=restarts, host=ctx.hostname)
         trainer.fit()

@@ -85,6 +85,7 @@ class CkptConfig(_Section):
     resume: str = Field("auto", description="'auto' continues from the newest good checkpoint in run.dir, 'never' starts fresh, or a checkpoint path.")
     on_error: Literal["stop", "continue"] = Field("stop", description="When a save fails on any rank: stop the run, or warn and keep training.")
     async_save: bool = Field(False, alias="async", description="Write checkpoints in a background thread; the loop only waits for the copy off the device.")
+    timeout_s: float = Field(600.0, gt=0, description="How long ranks wait for each other's checkpoint writes before the save fails.")
 
 
 class LogConfig(_Section):

@@ -126,9 +126,12 @@ class Trainer:
             len(train_set), cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed  # type: ignore[arg-type]
         )
         pin = ctx.device.type == "cuda"
+        # The loader gets its own generator: creating an iterator (at resume, at each epoch)
+        # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
         self.loader = DataLoader(
             train_set, batch_size=cfg.data.micro_batch_size, sampler=self.sampler,
-            num_workers=cfg.data.num_workers, pin_memory=pin, persistent_workers=False,
+            num_workers=cfg.data.num_workers, pin_memory=pin,
+            generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
         )
         self.val_set = val_set
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
