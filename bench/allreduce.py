@@ -38,7 +38,7 @@ def worker(out: Path, rounds: int, sizes: list[int], target_s: float) -> None:
     iters = {}
     for n, buf in bufs.items():  # warm-up, and the iteration count that lasts ~target_s
         t = _time(buf, 3)
-        count = torch.tensor([max(3, min(2000, int(target_s / max(t, 1e-7))))])
+        count = torch.tensor([max(10, min(2000, int(target_s / max(t, 1e-7))))])
         dist.broadcast(count, 0)
         iters[n] = int(count)
     per_size: dict[int, list[float]] = {n: [] for n in sizes}

@@ -28,7 +28,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `bench` importable
+# Run as a script, sys.path[0] is bench/ (whose names could shadow the standard library): use the repository root.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import summary  # noqa: E402
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint  # noqa: E402

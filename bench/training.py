@@ -1,4 +1,4 @@
-"""Training-speed figures: trainer overhead, scaling and peers, each one baton session.
+"""Training-speed figures: trainer overhead, scaling and peers, from one baton session.
 
 Per round r every variant runs the same S steps; a figure is a per-round ratio between variants
 (paired within the round, so that slow phases of a shared machine hit both sides), summarised by
