@@ -55,6 +55,10 @@ def machine() -> dict[str, Any]:
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                             "platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux: the CPU model, more telling than the architecture
+        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        info["processor"] = models[0] if models else info["processor"]
     for name in ("lightning", "accelerate"):
         try:
             info[name] = __import__(name).__version__
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_threads(1)
     _corpus(opts)
     started = datetime.now(timezone.utc)
+    load_before = os.getloadavg()[0]
     rows: list[Row] = []
     details: dict[str, Any] = {}
     for name, run in _figures(names):
@@ -89,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         details[name] = {**data, "wall_s": time.perf_counter() - t0}
         print(markdown_table(figure_rows), file=sys.stderr, flush=True)
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    # Other users' load is what makes figures noisy here: record it beside them.
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    wall = (datetime.now(timezone.utc) - started).total_seconds()
     result = {"date": started.isoformat(timespec="seconds"), "command": command, "machine": machine(),
+              "loadavg_1min": load, "wall_s": wall,
               "options": {"smoke": opts.smoke, "rounds": opts.rounds, "warmup": opts.warmup},
               "rows": [r.__dict__ for r in rows], "figures": details}
     table = markdown_table(rows)
@@ -98,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     m = result["machine"]
     header = (f"`{command}` on {started:%Y-%m-%d %H:%M} UTC: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
-              f"Python {m['python']}, {opts.rounds} measured rounds after {opts.warmup} warm-up, interleaved.\n\n")
+              f"Lightning {m['lightning']}, Accelerate {m['accelerate']}, "
+              f"Python {m['python']}, {opts.rounds} measured rounds after {opts.warmup} warm-up, interleaved; "
+              f"{wall / 60:.1f} minutes; 1-minute load average {load['before']:.1f} before, {load['after']:.1f} after.\n\n")
     (args.out / f"{stem}.md").write_text(header + table + "\n")
     print(header + table)
     return 0

@@ -13,6 +13,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,8 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     data: dict[str, Any] = {}
     for label, model in models.items():
         folder = opts.work_dir / "checkpoint" / label.replace(" ", "").replace("~", "")
+        # A previous run's higher step numbers would make keep= prune this run's checkpoints.
+        shutil.rmtree(folder, ignore_errors=True)
         cfg = bench_config(model, opts.data_dir, folder)
         trainer = build_trainer(cfg, DistContext())
         trainer.train_step()  # AdamW state now exists

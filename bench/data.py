@@ -41,21 +41,21 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
 
     def steps_per_s(next_batch: Any) -> float:
         trainer.next_batch = next_batch  # type: ignore[method-assign]
+        shares = stall if next_batch is timed_batch else []
         waited[0] = 0.0
         t0 = time.perf_counter()
         for _ in range(steps):
             trainer.train_step()
         seconds = time.perf_counter() - t0
         del trainer.next_batch  # back to the class's method
-        stall.append(waited[0] / seconds)
+        shares.append(waited[0] / seconds)
         return steps * cfg.train.global_batch_size / seconds
 
-    stall: list[float] = []
+    stall: list[float] = []  # the end-to-end rounds' stall, warm-up included
     t = interleave({"loader": loader_alone,
                     "step (pre-built batches)": lambda: steps_per_s(itertools.cycle(prebuilt).__next__),
                     "end to end": lambda: steps_per_s(timed_batch)}, opts)
-    # stall holds one value per steps_per_s call; the end-to-end ones are every second, after warm-up.
-    e2e_stall = stall[opts.warmup * 2 + 1 :: 2] if len(stall) > 1 else stall
+    e2e_stall = stall[opts.warmup :]
     ratio = summary([a / b for a, b in zip(t["loader"], t["step (pre-built batches)"])])
     st = summary([s * 100 for s in e2e_stall])
     trainer.metrics.close()

@@ -2,11 +2,12 @@
 
     torchrun --standalone --nproc-per-node 2 -m bench.profiling step [--model tiny] [--raw]
     python -m bench.profiling step --threads 2         # one process, two threads
-    python -m bench.profiling save [--model large]     # cProfile of one sync save and one torch.save
+    python -m bench.profiling save [--model large]     # cProfile: sync save, torch.save, async save
 
 `step` runs torch.profiler over a few steps of ddptrain's Trainer (or, with --raw, the hand-written
 loop) after warm-up and prints rank 0's operators by self CPU time; `save` prints cProfile's top
-functions by own time for a Checkpointer save and for torch.save + fsync of the same state.
+functions by own time for a Checkpointer sync save, torch.save + fsync of the same state, and the
+part of an async save that blocks the training loop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.build import DEFAULT_MODEL, LARGE_MODEL, TINY_MODEL, bench_config, build_trainer
 from bench.common import REPO
+from ddptrain.checkpoint import Checkpointer
 from ddptrain.dist import DistContext, init_distributed
 
 MODELS = {"default": DEFAULT_MODEL, "tiny": TINY_MODEL, "large": LARGE_MODEL}
@@ -58,6 +61,7 @@ def profile_save(model: str, rows: int) -> None:
     from ddptrain.rng import rng_state
 
     run_dir = REPO / "runs" / "bench" / "profile-save"
+    shutil.rmtree(run_dir, ignore_errors=True)  # keep= must not prune this run's saves for an older run's
     cfg = bench_config(MODELS[model], REPO / "data" / "stdlib", run_dir)
     trainer = build_trainer(cfg, DistContext())
     trainer.train_step()
@@ -68,8 +72,17 @@ def profile_save(model: str, rows: int) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    for name, fn in (("Checkpointer sync save", trainer.save_checkpoint), ("torch.save + fsync", torch_save)):
+    async_ckpt = Checkpointer(cfg.ckpt.model_copy(update={"async_save": True}), run_dir / "async", DistContext(),
+                              cfg.model_dump(mode="json", by_alias=True))
+
+    def async_blocked() -> None:  # only the part the training loop waits for
+        trainer.step += 1
+        async_ckpt.save(trainer.step, trainer.state_dict(), {"rng": rng_state()})
+
+    for name, fn in (("Checkpointer sync save", trainer.save_checkpoint), ("torch.save + fsync", torch_save),
+                     ("Checkpointer async save, blocked part", async_blocked)):
         fn()  # warm-up (first file creation, page cache)
+        async_ckpt.wait()
         prof = cProfile.Profile()
         prof.enable()
         fn()
@@ -77,7 +90,7 @@ def profile_save(model: str, rows: int) -> None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
         print(f"== {name} ==\n" + out.getvalue().split("\n\n", 1)[-1])
-    trainer.checkpointer.wait()
+    async_ckpt.wait()
     trainer.metrics.close()
 
 
