@@ -41,7 +41,7 @@ from ddptrain.trainer import Trainer  # noqa: E402
 
 # Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets.
 PEAK_BF16 = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12}
+             "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12}
 GPT2 = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024", "model.vocab_size=50304"]
 SMOKE = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.vocab_size=256"]
 
