@@ -74,3 +74,23 @@ def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """Model weights of the newest committed checkpoint."""
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
     return torch.load(ckpts[-1] / "model.pt", weights_only=True)
+
+
+def make_trainer(corpus: Path, run_dir: Path, overrides: list[str]) -> Any:
+    """An in-process, single-process Trainer on the tiny corpus (no process group)."""
+    from ddptrain.checkpoint import Checkpointer
+    from ddptrain.config import load_config
+    from ddptrain.data import build_datasets
+    from ddptrain.dist import DistContext
+    from ddptrain.metrics import MetricsWriter, Progress
+    from ddptrain.models import build_model
+    from ddptrain.rng import seed_everything
+    from ddptrain.trainer import Trainer
+
+    cfg = load_config(None, [*TINY, f"data.dir={corpus}", f"run.dir={run_dir}", *overrides])
+    ctx = DistContext()
+    seed_everything(cfg.run.seed)
+    train_set, val_set = build_datasets(cfg)
+    model = build_model(cfg.model)
+    return Trainer(cfg, ctx, model, train_set, val_set, Checkpointer(cfg.ckpt, run_dir, ctx, {}),
+                   MetricsWriter(run_dir, False), Progress(False, cfg.train.max_steps, 0))

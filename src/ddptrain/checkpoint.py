@@ -133,6 +133,19 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def newest_verified(ckpt_dir: Path, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """The newest committed checkpoint that passes verification; rejected ones are passed to warn."""
+    candidates = committed_checkpoints(ckpt_dir)
+    if not candidates:
+        raise CheckpointError(f"no committed checkpoint in {ckpt_dir}")
+    for path in candidates:
+        try:
+            return path, verify_checkpoint(path)
+        except CheckpointError as e:
+            warn(f"warning: checkpoint rejected: {e}")
+    raise CheckpointError(f"every checkpoint in {ckpt_dir} failed verification")
+
+
 def load_file(path: Path, name: str) -> Any:
     """One file of a verified checkpoint, onto the CPU."""
     return torch.load(path / name, map_location="cpu", weights_only=True)

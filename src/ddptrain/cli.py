@@ -7,6 +7,9 @@
         --rdzv-endpoint HEAD:29500 --rdzv-id job1 -m ddptrain train -c cfg.yaml   # on each node
     ddptrain prepare [FILES/GLOBS...] --out data/mine
     ddptrain export runs/default --out model.safetensors
+    ddptrain report runs/default                     # plots + summary into runs/default/report/
+    ddptrain doctor                                  # bring-up checks (alone, or as every rank under torchrun)
+    ddptrain generate runs/default --prompt "def "   # sample from the built-in GPT
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddptrain.checkpoint import Checkpointer, committed_checkpoints, checkpoint_name, load_file, verify_checkpoint
+from ddptrain.checkpoint import Checkpointer, checkpoint_name, load_file, newest_verified, verify_checkpoint
 from ddptrain.config import Config, DataConfig, describe_fields, load_config
 from ddptrain.data import build_datasets
 from ddptrain.data.corpus import corpus_ready, expand_sources, prepare_corpus, stdlib_sources
@@ -27,6 +30,7 @@ from ddptrain.errors import CheckpointError, DataError, UserError
 from ddptrain.metrics import MetricsWriter, Progress
 from ddptrain.models import build_model
 from ddptrain.rng import seed_everything
+from ddptrain.runlog import rank_log
 from ddptrain.trainer import CheckpointSaveError, NonFiniteError, Trainer
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
@@ -42,7 +46,8 @@ def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
     cfg.grad_accum_steps(env[1] if env else 1)  # fail on an indivisible batch before any rendezvous
     ctx = init_distributed(cfg.dist)
     try:
-        return _train(cfg, ctx)
+        with rank_log(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
+            return _train(cfg, ctx)
     finally:
         close_distributed(ctx)
 
@@ -76,6 +81,7 @@ def _train(cfg: Config, ctx: DistContext) -> int:
             f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x {trainer.accum}, "
             f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, run dir {run_dir}"
         )
+        progress.message(trainer.throughput.describe())
         if trainer.step >= cfg.train.max_steps:
             progress.message(f"nothing to do: already at step {trainer.step} (train.max_steps={cfg.train.max_steps})")
         metrics.write("event", event="resume" if found else "start", step=trainer.step, world_size=ctx.world_size,
@@ -132,18 +138,7 @@ def export(run_dir: str, out: str, step: int | None = None) -> int:
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}")
         manifest = verify_checkpoint(path)
     else:
-        candidates = committed_checkpoints(ckpt_dir)
-        if not candidates:
-            raise CheckpointError(f"no committed checkpoint in {ckpt_dir}")
-        path, manifest = None, None
-        for candidate in candidates:
-            try:
-                manifest, path = verify_checkpoint(candidate), candidate
-                break
-            except CheckpointError as e:
-                print(f"warning: checkpoint rejected: {e}", file=sys.stderr)
-        if path is None or manifest is None:
-            raise CheckpointError(f"every checkpoint in {ckpt_dir} failed verification")
+        path, manifest = newest_verified(ckpt_dir, lambda text: print(text, file=sys.stderr))
     state = load_file(path, "model.pt")
     # safetensors stores no aliases: tied weights (wte / lm_head) become two plain copies.
     tensors = {k: v.detach().clone().contiguous() for k, v in state.items()}
@@ -153,6 +148,33 @@ def export(run_dir: str, out: str, step: int | None = None) -> int:
     save_file(tensors, str(out_path), metadata={"ddptrain_step": str(manifest["step"]), "ddptrain_model": json.dumps(model_cfg)})
     out_path.with_suffix(".json").write_text(json.dumps({"model": model_cfg, "step": manifest["step"], "checkpoint": path.name}, indent=2))
     print(f"exported {path.name} ({len(tensors)} tensors) to {out_path} and {out_path.with_suffix('.json')}")
+    return 0
+
+
+def report(run_dir: str, out: str | None = None) -> int:
+    """Plots and a text summary of a run (finished, running or crashed) into run_dir/report."""
+    from ddptrain.report import report as write_report  # matplotlib loads only for this command
+
+    summary, files = write_report(Path(run_dir), Path(out) if out else None)
+    print(summary)
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
+def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None) -> int:
+    """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
+    from ddptrain.doctor import doctor as run_doctor
+
+    return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint)
+
+
+def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> int:
+    """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
+    from ddptrain.generate import generate as sample
+
+    text, path = sample(Path(run_dir), prompt, max_new_tokens, temperature, top_k or None, seed)
+    print(f"(sampled from {path})", file=sys.stderr)
+    print(text)
     return 0
 
 
@@ -177,6 +199,24 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--out", required=True, help="output .safetensors file (the model config goes beside it as .json)")
     e.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+
+    r = sub.add_parser("report", help="plots and a summary of a run's metrics (works on running and crashed runs)")
+    r.add_argument("run_dir")
+    r.add_argument("--out", help="output folder (default RUN_DIR/report)")
+
+    d = sub.add_parser("doctor", help="bring-up checks: environment, rendezvous, all-reduce bandwidth")
+    d.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    d.add_argument("--timeout", type=float, default=30.0, help="seconds every rank may take to join (default 30)")
+    d.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce message in MiB (default 64)")
+    d.add_argument("--endpoint", help="also check that this rendezvous HOST:PORT accepts connections from here")
+
+    g = sub.add_parser("generate", help="sample text from the built-in GPT of a run's newest good checkpoint")
+    g.add_argument("run_dir")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest bytes; 0 for all")
+    g.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -190,6 +230,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return prepare(args.sources, args.out, args.val_fraction)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step)
+    if args.command == "report":
+        return report(args.run_dir, args.out)
+    if args.command == "doctor":
+        return doctor(args.backend, args.timeout, args.max_mb, args.endpoint)
+    if args.command == "generate":
+        return generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     raise AssertionError(args.command)
 
 

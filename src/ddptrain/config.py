@@ -93,6 +93,7 @@ class LogConfig(_Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files to run.dir/tensorboard (needs the tensorboard extra).")
     straggler_every: int = Field(50, ge=0, description="Gather per-rank step times every N steps to spot stragglers; 0 disables.")
     straggler_factor: float = Field(1.5, gt=1.0, description="Warn when the slowest rank's step time exceeds the median by this factor.")
+    peak_tflops: float | None = Field(None, gt=0, description="Peak dense TFLOP/s per device for MFU, for devices not in the built-in table (None: use the table).")
 
 
 class Config(_Section):

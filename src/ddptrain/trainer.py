@@ -28,8 +28,10 @@ from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import CheckpointError
 from ddptrain.metrics import MetricsWriter, Progress
+from ddptrain.perf import StepTimer, Throughput
 from ddptrain.precision import Precision
 from ddptrain.rng import load_rng_state, rng_state, seed_everything
+from ddptrain.stragglers import StragglerMonitor
 
 
 class NonFiniteError(RuntimeError):
@@ -137,6 +139,10 @@ class Trainer:
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else None
+        self.timer = StepTimer(ctx.device, ctx.is_distributed)
+        self.throughput = Throughput(ctx.device, cfg.train.precision, ctx.world_size, cfg.train.global_batch_size,
+                                     self.tokens_per_sample, self.flops_per_token, cfg.log.peak_tflops)
+        self.stragglers = StragglerMonitor(ctx, cfg.log.straggler_every, cfg.log.straggler_factor)
         self.step = 0
         self._batches: Iterator[Any] | None = None
 
@@ -154,17 +160,21 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over `accum` micro-batches of this rank."""
         t0 = time.perf_counter()
+        self.timer.start()
         self.ddp.train()
         loss_sum = torch.zeros((), device=self.ctx.device)
         for micro in range(self.accum):
             batch = self.next_batch()
+            self.timer.lap("data")
             # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() skips
             # their all-reduce, and the last backward all-reduces the sum once.
             last = micro == self.accum - 1
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 loss = _call(self.ddp, batch) / self.accum
+            self.timer.lap("forward")
             self.precision.backward(loss)
+            self.timer.lap("backward")
             loss_sum += loss.detach()
         self.sampler.advance()
         self.precision.unscale_(self.optimizer)
@@ -181,6 +191,7 @@ class Trainer:
             self.precision.step(self.optimizer)  # with fp16 the scaler itself skips overflowing steps
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.timer.lap("optimizer")
         self.step += 1
         return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
 
@@ -269,6 +280,8 @@ class Trainer:
                 self.log_train(window_loss / window_steps, window_steps, window_time, window_skipped, result.grad_norm)
                 window_loss.zero_()
                 window_steps, window_time, window_skipped = 0, 0.0, 0
+            if self.stragglers.due(self.step):
+                self.log_stragglers()
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or last):
                 self.log_eval()
             if last or (cfg.ckpt.every_steps and self.step % cfg.ckpt.every_steps == 0):
@@ -280,7 +293,6 @@ class Trainer:
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, skipped: int, grad_norm: float) -> None:
         """All ranks: average the window's loss over ranks; rank 0 writes and shows it."""
         loss = float(all_reduce_mean(self.ctx, mean_loss))
-        samples_per_s = self.cfg.train.global_batch_size * steps / max(seconds, 1e-9)
         record: dict[str, Any] = {
             "step": self.step,
             "epoch": self.sampler.epoch,
@@ -291,18 +303,22 @@ class Trainer:
             "global_batch_size": self.cfg.train.global_batch_size,
             "grad_accum": self.accum,
             "step_time_s": seconds / steps,
-            "samples_per_s": samples_per_s,
+            **self.throughput.record(steps, seconds),
+            **self.timer.summary(),
         }
-        if self.tokens_per_sample:
-            record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         if skipped:
             record["skipped_steps"] = skipped
             self.progress.message(f"warning: {skipped} step(s) skipped for a non-finite gradient before step {self.step}")
         self.metrics.write("train", **record)
-        shown = {k: record[k] for k in ("loss", "lr", "samples_per_s") if k in record}
-        if "tokens_per_s" in record:
-            shown["tokens_per_s"] = record["tokens_per_s"]
+        shown = {k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu") if k in record}
         self.progress.update(self.step, shown)
+
+    def log_stragglers(self) -> None:
+        """All ranks: compare local step times; rank 0 records them, every rank logs a straggler warning."""
+        record, warning = self.stragglers.check(self.step, self.timer.take_local())
+        self.metrics.write("ranks", **record)
+        if warning:
+            self.progress.message(warning)
 
     def log_eval(self) -> None:
         """All ranks evaluate; rank 0 records val_loss."""

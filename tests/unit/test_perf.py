@@ -1,0 +1,131 @@
+"""FLOPs per token, MFU and the peak table against hand computations; step-phase attribution."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ddptrain.config import ModelConfig
+from ddptrain.models.gpt import GPT
+from ddptrain.perf import StepTimer, Throughput, matmul_dtype, mfu, peak_flops
+
+# n_layer=2, n_head=2, n_embd=16, block_size=8, vocab 256, no biases. By hand:
+#   wte (tied with lm_head)         256*16                    = 4096
+#   per block: ln1 16, qkv 16*48 = 768, proj 16*16 = 256, ln2 16,
+#              fc 16*64 = 1024, mlp proj 64*16 = 1024         = 3104, x2 blocks = 6208
+#   ln_f                                                       = 16
+#   N (without the position embedding wpe)                     = 10320
+#   6N = 61920; attention 12 * L * H * Q * T = 12 * 2 * (2 * 8) * 8 = 3072
+HAND_FLOPS_PER_TOKEN = 61920 + 3072
+
+
+def small_gpt() -> GPT:
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=256, bias=False))
+
+
+def test_gpt_flops_per_token_matches_hand_computation() -> None:
+    model = small_gpt()
+    assert model.num_params() == 10320
+    assert model.flops_per_token() == HAND_FLOPS_PER_TOKEN == 64992
+
+
+def test_mfu_matches_hand_computation() -> None:
+    # 8 H100 SXM in bf16 at 1e6 tokens/s: 64992e6 / 8 = 8.124e9 FLOP/s per device over 989.4e12.
+    peak = peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert peak == pytest.approx(989.4e12)
+    assert mfu(HAND_FLOPS_PER_TOKEN, 1e6, 8, peak) == pytest.approx(8.124e9 / 989.4e12)
+
+
+def test_throughput_record_by_hand() -> None:
+    # Global batch 8 samples of 8 tokens, 10 steps in 2 s on 2 ranks, a declared 1 TFLOP/s peak:
+    # 40 samples/s, 320 tokens/s, 160 per rank, 64992 * 320 / 2 = 10,398,720 FLOP/s per device.
+    t = Throughput(torch.device("cpu"), "fp32", world_size=2, global_batch=8, tokens_per_sample=8,
+                   flops_per_token=HAND_FLOPS_PER_TOKEN, peak_tflops=1.0)
+    r = t.record(steps=10, seconds=2.0)
+    assert r["samples_per_s"] == pytest.approx(40)
+    assert r["tokens_per_s"] == pytest.approx(320)
+    assert r["tokens_per_s_per_rank"] == pytest.approx(160)
+    assert r["flops_per_s_per_device"] == pytest.approx(10_398_720)
+    assert r["mfu"] == pytest.approx(10_398_720 / 1e12)
+    assert r["peak_mem_kind"] == "max_rss" and r["peak_mem_mb"] > 10
+
+
+def test_cpu_reports_achieved_flops_but_no_mfu() -> None:
+    t = Throughput(torch.device("cpu"), "fp32", 1, 8, 8, HAND_FLOPS_PER_TOKEN, peak_tflops=None)
+    r = t.record(steps=1, seconds=1.0)
+    assert "mfu" not in r
+    assert r["flops_per_s_per_device"] == pytest.approx(HAND_FLOPS_PER_TOKEN * 64)
+    assert "no MFU" in t.describe()
+
+
+@pytest.mark.parametrize(("name", "dtype", "tflops"), [
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+    ("NVIDIA A100 80GB PCIe", "bf16", 312.0),
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L40S", "bf16", 362.1),
+    ("NVIDIA A10G", "bf16", 70.0),
+    ("NVIDIA A10", "fp32", 31.2),
+    ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+    ("Tesla V100-PCIE-32GB", "fp32", 14.0),
+])
+def test_peak_table(name: str, dtype: str, tflops: float) -> None:
+    assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_device_or_dtype_has_no_peak() -> None:
+    assert peak_flops("cpu", "fp32") is None
+    assert peak_flops("Some Future GPU", "bf16") is None
+    assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
+
+
+def test_matmul_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert matmul_dtype("bf16", cpu) == "bf16"
+    assert matmul_dtype("fp16", cpu) == "fp16"
+    assert matmul_dtype("fp32", cpu) == "fp32"
+
+
+def _fake_step(timer: StepTimer, data_s: float, fwd_s: float, bwd_s: list[float], opt_s: float) -> None:
+    timer.start()
+    for b in bwd_s:
+        time.sleep(data_s)
+        timer.lap("data")
+        time.sleep(fwd_s)
+        timer.lap("forward")
+        time.sleep(b)
+        timer.lap("backward")
+    time.sleep(opt_s)
+    timer.lap("optimizer")
+
+
+def test_step_timer_attributes_phases() -> None:
+    # Sleeps give lower bounds only: the test checks attribution, not speed.
+    timer = StepTimer(torch.device("cpu"), distributed=True)
+    for _ in range(2):
+        _fake_step(timer, data_s=0.02, fwd_s=0.01, bwd_s=[0.005, 0.045], opt_s=0.015)
+    s = timer.summary()
+    assert s["data_wait_s"] >= 0.04 and s["forward_s"] >= 0.02
+    assert s["backward_s"] >= 0.05 and s["optimizer_s"] >= 0.015
+    # The last backward's excess over the other micro-batch is the exposed communication.
+    assert 0.03 <= s["exposed_comm_s"] < s["backward_s"]
+    # local time leaves out the last backward (where a rank would wait for the others).
+    everything = s["data_wait_s"] + s["forward_s"] + s["backward_s"] + s["optimizer_s"]
+    assert s["local_s"] >= 0.04 + 0.02 + 0.005 + 0.015
+    assert s["local_s"] <= everything - 0.045
+    assert timer.take_local() == pytest.approx(s["local_s"])
+    assert timer.summary() == {}
+
+
+def test_step_timer_no_exposed_comm_without_accumulation_or_ddp() -> None:
+    single = StepTimer(torch.device("cpu"), distributed=False)
+    _fake_step(single, 0.0, 0.0, [0.0, 0.01], 0.0)
+    assert "exposed_comm_s" not in single.summary()
+    ddp_no_accum = StepTimer(torch.device("cpu"), distributed=True)
+    _fake_step(ddp_no_accum, 0.0, 0.0, [0.01], 0.0)
+    assert "exposed_comm_s" not in ddp_no_accum.summary()
