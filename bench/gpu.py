@@ -7,7 +7,8 @@
 GPT-2 124M: 12 layers, 12 heads, width 768, T=1024, vocab 50304 (50257 padded to a multiple of 64),
 bf16 autocast, SDPA attention (the built-in GPT), fused AdamW, synthetic tokens (no download).
 MFU = tokens/s x training FLOPs per token (6N + 12·L·C·T, PaLM appendix B) / the GPU's dense
-bf16 peak. Ratios (ddptrain / raw, DDP / none, compiled / eager) are measured A B A B in rounds.
+bf16 peak (ddptrain.perf's data-sheet table). Ratios (ddptrain / raw, DDP / none, compiled /
+eager) are measured A B A B in rounds.
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ from ddptrain.config import Config, load_config  # noqa: E402
 from ddptrain.dist import DistContext  # noqa: E402
 from ddptrain.metrics import MetricsWriter, Progress  # noqa: E402
 from ddptrain.models.gpt import GPT  # noqa: E402
+from ddptrain.perf import device_name, peak_flops  # noqa: E402
 from ddptrain.trainer import Trainer  # noqa: E402
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets.
-PEAK_BF16 = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12, "RTX 4090": 165e12}
 GPT2 = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024", "model.vocab_size=50304"]
 SMOKE = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.vocab_size=256"]
 
@@ -143,15 +142,12 @@ class Bench:
         return out
 
 
-def peak_flops(device: torch.device, measured: float) -> tuple[float, str]:
-    """The GPU's nominal dense bf16 peak, or the measured matmul ceiling when it is not in the table."""
-    if device.type != "cuda":
-        return measured, "measured (CPU)"
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16.items():
-        if key in name:
-            return flops, f"{key} data sheet"
-    return measured, "measured matmul ceiling (GPU not in table)"
+def peak(device: torch.device, measured: float) -> tuple[float, str]:
+    """The GPU's dense bf16 peak from ddptrain's data-sheet table, else the measured matmul ceiling."""
+    nominal = peak_flops(device_name(device), "bf16") if device.type == "cuda" else None
+    if nominal is not None:
+        return nominal, "data sheet (ddptrain.perf)"
+    return measured, "measured matmul ceiling (device not in ddptrain.perf's table)"
 
 
 def matmul_ceiling(b: Bench) -> dict[str, Any]:
@@ -177,7 +173,7 @@ def matmul_ceiling(b: Bench) -> dict[str, Any]:
     return {"tflops": out, "best_tflops": best}
 
 
-def gpt2(b: Bench, peak: float) -> dict[str, Any]:
+def gpt2(b: Bench, peak_per_s: float) -> dict[str, Any]:
     """Tokens/s and MFU, eager vs torch.compile, on the same model and optimizer."""
     model = b.model()
     opt = b.optimizer(model)
@@ -193,7 +189,7 @@ def gpt2(b: Bench, peak: float) -> dict[str, Any]:
                            "params": model.num_params()}
     for name, secs in t.items():
         tps = [b.tokens_per_step / s for s in secs]
-        res[name] = {"tokens_per_s": summary(tps), "mfu": summary([x * fpt / peak for x in tps])}
+        res[name] = {"tokens_per_s": summary(tps), "mfu": summary([x * fpt / peak_per_s for x in tps])}
     res["compile_speedup"] = summary([e / c for e, c in zip(t["eager"], t["compiled"])])
     del model, compiled, opt
     return res
@@ -289,9 +285,9 @@ def main() -> int:
                               "batch": b.cfg.data.micro_batch_size, "block_size": b.cfg.model.block_size}
     t_all = time.perf_counter()
     result["matmul"] = matmul_ceiling(b)
-    peak, source = peak_flops(b.device, result["matmul"]["best_tflops"] * 1e12)
-    result["peak_flops"], result["peak_source"] = peak, source
-    steps = [("gpt2", lambda: gpt2(b, peak)), ("ddp", lambda: ddp_overhead(b))]
+    peak_per_s, source = peak(b.device, result["matmul"]["best_tflops"] * 1e12)
+    result["peak_flops"], result["peak_source"] = peak_per_s, source
+    steps = [("gpt2", lambda: gpt2(b, peak_per_s)), ("ddp", lambda: ddp_overhead(b))]
     for name, fn in steps:
         t0 = time.perf_counter()
         result[name] = fn()
