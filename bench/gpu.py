@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -195,10 +195,9 @@ def gpt2(b: Bench, peak_per_s: float) -> dict[str, Any]:
     return res
 
 
-def trainer_vs_raw(b: Bench) -> dict[str, Any]:
+def trainer_vs_raw(b: Bench, run: Path) -> dict[str, Any]:
     """ddptrain's Trainer.train_step vs the hand-written step, same model, data, batch (eager)."""
     ctx = DistContext(device=b.device)
-    run = Path(tempfile.mkdtemp(prefix="ddptrain-gpu-"))
     cfg = b.cfg.model_copy(deep=True)
     cfg.run.dir = str(run / "trainer")
     checkpointer = Checkpointer(cfg.ckpt, run / "trainer", ctx, cfg.model_dump(mode="json", by_alias=True))
@@ -207,7 +206,7 @@ def trainer_vs_raw(b: Bench) -> dict[str, Any]:
     raw_model = b.model()
     t = b.interleave({"ddptrain": lambda: trainer.train_step(), "raw": b.raw_step(raw_model, b.optimizer(raw_model), b.batches())})
     ratio = summary([a / r for a, r in zip(t["ddptrain"], t["raw"])])
-    return {"seconds_per_step": {k: summary(v) for k, v in t.items()}, "ratio": ratio, "trainer": trainer, "run": run}
+    return {"seconds_per_step": {k: summary(v) for k, v in t.items()}, "ratio": ratio, "trainer": trainer}
 
 
 def ddp_overhead(b: Bench) -> dict[str, Any]:
@@ -292,11 +291,15 @@ def main() -> int:
         t0 = time.perf_counter()
         result[name] = fn()
         print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    tv = trainer_vs_raw(b)
-    trainer, run = tv.pop("trainer"), tv.pop("run")
+    # Checkpoints go under --out (a real disk, so fsync means something; /tmp may be RAM) and are removed after.
+    run = args.out / "gpu-work"
+    shutil.rmtree(run, ignore_errors=True)
+    tv = trainer_vs_raw(b, run)
+    trainer = tv.pop("trainer")
     result["trainer_vs_raw"] = tv
     result["checkpoint"] = checkpoint(b, trainer, run)
     trainer.metrics.close()
+    shutil.rmtree(run, ignore_errors=True)
     result["wall_s"] = time.perf_counter() - t_all
     result["targets"] = {
         "mfu_compiled >= 0.40": result["gpt2"]["compiled"]["mfu"]["median"] >= 0.40,
