@@ -36,5 +36,11 @@ test-dist: venv
 test-cluster: venv
 	$(PY) -m pytest -q tests/cluster
 
+# Benchmarks (docs/benchmarks.md): installs the peers (Lightning, Accelerate) and runs every figure,
+# writing bench/results/<date>.json and .md. OMP_NUM_THREADS=1: the driver and its children pin threads.
+bench: venv
+	$(PY) -m pip install -q -e '.[bench]'
+	OMP_NUM_THREADS=1 $(PY) -m bench all $(ARGS)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
