@@ -25,7 +25,7 @@ train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q tests
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit

@@ -4,7 +4,6 @@ Every node runs one worker (2 CPU cores in CI) of a tiny regression model that s
 each step, so faults land mid-training. Collective timeout 10 s, short rendezvous timeouts.
 Final parameters are compared with an uninterrupted run (plain torchrun, same world size): resume
 from checkpoints is bit-exact on CPU. Each test prints MEASURED lines (run with -s to see them).
-Tests marked slow are left out of `make test` and run by `make test-cluster`.
 """
 
 from __future__ import annotations
@@ -188,7 +187,6 @@ def test_sigkill_one_worker_restarts_from_checkpoint(cluster: Cluster, tmp_path:
     measured("SIGKILL one worker", training_again=recovery)
 
 
-@pytest.mark.slow  # the restart path is covered by the SIGKILL test; this adds the raise
 @pytest.mark.timeout(240)
 def test_worker_raises_then_resumes(cluster: Cluster, tmp_path: Path, reference: Callable[..., Any]) -> None:
     job = Job(cluster, tmp_path, train=[SLOW, "model.kwargs.fail_at=15", "model.kwargs.fail_rank=1"])
@@ -324,7 +322,6 @@ def test_sigterm_to_one_node_ends_the_whole_job(cluster: Cluster, tmp_path: Path
     measured("SIGTERM to one node", all_exited_75=stopped)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rate_limited_link_is_slower_with_the_same_result(cluster: Cluster, tmp_path: Path,
                                                           reference: Callable[..., Any]) -> None:
