@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -245,8 +246,11 @@ class Checkpointer:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             items = {f"{k}.pt": v for k, v in shared.items()} | {f"{k}-rank{self.ctx.rank}.pt": v for k, v in local.items()}
-            for name, obj in items.items():
-                entries[name] = _write_durable(tmp / name, obj)
+            # One thread per file: while one thread serializes (holding the GIL), another's
+            # SHA-256 and fsync run without it, so the files' costs overlap.
+            with ThreadPoolExecutor(max_workers=len(items)) as pool:
+                futures = {name: pool.submit(_write_durable, tmp / name, obj) for name, obj in items.items()}
+                entries = {name: f.result() for name, f in futures.items()}
         except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
             error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
