@@ -91,7 +91,7 @@ class _Bench:
         self.save_sync()
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(8)
+        pstats.Stats(prof, stream=out).strip_dirs().sort_stats("tottime").print_stats(8)
         return [line for line in out.getvalue().splitlines() if line.strip()][-9:]
 
 

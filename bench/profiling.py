@@ -88,7 +88,7 @@ def profile_save(model: str, rows: int) -> None:
         fn()
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+        pstats.Stats(prof, stream=out).strip_dirs().sort_stats("tottime").print_stats(rows)
         print(f"== {name} ==\n" + out.getvalue().split("\n\n", 1)[-1])
     async_ckpt.wait()
     trainer.metrics.close()
