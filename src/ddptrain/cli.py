@@ -118,9 +118,8 @@ def _train(cfg: Config, ctx: DistContext) -> int:
 def _fit(trainer: Trainer, triage: Triage) -> None:
     """trainer.fit() with SIGTERM/SIGUSR1 turned into a coordinated stop and failed steps triaged."""
     stop = StopRequest().install()
-    trainer.stop_request, trainer.watchdog = stop, triage
     try:
-        trainer.fit()
+        trainer.fit(stop_request=stop, watchdog=triage)
     except (Preempted, NonFiniteError, CheckpointSaveError, UserError):
         raise  # stops every rank agreed on: nothing to triage
     except Exception as e:

@@ -147,9 +147,6 @@ class Trainer:
         self.stragglers = StragglerMonitor(ctx, cfg.log.straggler_every, cfg.log.straggler_factor)
         self.step = 0
         self._batches: Iterator[Any] | None = None
-        # Set by the CLI: per-step stack watchdog, and the stop request all ranks agree on.
-        self.watchdog: Triage | None = None
-        self.stop_request: StopRequest | None = None
 
     # ---- the training step ----------------------------------------------------------------
 
@@ -269,18 +266,22 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def fit(self) -> None:
-        """Train until train.max_steps, logging, evaluating and checkpointing on the way."""
+    def fit(self, stop_request: StopRequest | None = None, watchdog: Triage | None = None) -> None:
+        """Train until train.max_steps, logging, evaluating and checkpointing on the way.
+
+        stop_request: a coordinated stop (all ranks agree each step; Preempted after the checkpoint).
+        watchdog: armed around each step to dump stacks when a step hangs.
+        """
         cfg = self.cfg
         window_loss = torch.zeros((), device=self.ctx.device)
         window_steps, window_time, window_skipped = 0, 0.0, 0
         while self.step < cfg.train.max_steps:
-            if self.watchdog is not None:
-                self.watchdog.arm()
+            if watchdog is not None:
+                watchdog.arm()
             result = self.train_step()
-            stop = self.stop_request is not None and self.stop_request.agreed(self.ctx)
-            if self.watchdog is not None:
-                self.watchdog.disarm()
+            stop = stop_request is not None and stop_request.agreed(self.ctx)
+            if watchdog is not None:
+                watchdog.disarm()
             window_loss += result.loss
             window_steps += 1
             window_time += result.seconds
@@ -300,7 +301,7 @@ class Trainer:
             if stop and not last:
                 self.checkpointer.wait()
                 self.report_saves()
-                raise Preempted(self.step, self.stop_request.signal_name if self.stop_request else None)
+                raise Preempted(self.step, stop_request.signal_name if stop_request else None)
         self.checkpointer.wait()
         self.report_saves()
 
