@@ -1,23 +1,27 @@
 # ddptrain: `make train` trains the default model, `make test` runs the whole suite.
-# Both create the virtual environment on first use. TORCH pins the torch install: on a CPU
-# machine torch==2.13.0 is the CPU build; on a GPU machine the same pin from PyPI is the CUDA
-# build. Override it (make TORCH='torch==2.5.1') to match your CUDA driver.
+# Both create the virtual environment on first use. TORCH pins the torch install (the tested range
+# is in pyproject.toml). PyPI's Linux torch is the multi-GB CUDA build, so on a machine without an
+# NVIDIA driver (no nvidia-smi) torch comes from PyTorch's CPU index as well (its +cpu build wins
+# for the same version); with a driver, from PyPI (CUDA). Force either: make TORCH_INDEX= (PyPI
+# only) or make TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ (another CUDA version).
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,$(TORCH_CPU_INDEX))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddptrain-installed
 
-.PHONY: venv train test test-unit test-dist test-cluster bench clean
+.PHONY: venv train test test-measure test-unit test-dist test-cluster lint format bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build here.
-	$(PY) -m pip install -q "$(TORCH)"
+	# torch first, pinned: a bare `torch` requirement would pull PyPI's multi-GB CUDA build.
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -25,7 +29,22 @@ train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not measure" tests
+
+# The straggler detection targets of issue 17, measured (minutes; needs a quiet machine).
+test-measure: venv
+	$(PY) -m pytest -q -m measure tests
+
+# Style and types: ruff (lint + format check) on everything, mypy --strict on src/ (pyproject.toml;
+# both pinned in the dev extra so that the format check means the same everywhere).
+lint: venv
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff check --fix src tests bench examples
+	$(VENV)/bin/ruff format src tests bench examples
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit

@@ -1,8 +1,8 @@
 """`python -m bench all` runs every figure, writes bench/results/<date>.json and .md, prints the table.
 
-    python -m bench all                 # the full run (make bench), ~10 minutes on 2 cores
-    python -m bench overhead peers      # some figures
-    python -m bench all --smoke         # tiny sizes, one round: checks that everything starts
+python -m bench all                 # the full run (make bench), ~10 minutes on 2 cores
+python -m bench overhead peers      # some figures
+python -m bench all --smoke         # tiny sizes, one round: checks that everything starts
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import platform
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import REPO, Options, Row, fix_threads, markdown_table
 
-FIGURES = ["overhead", "scaling", "peers", "allreduce", "overlap", "checkpoint", "data"]
+FIGURES = ["overhead", "scaling", "peers", "allreduce", "overlap", "checkpoint", "data", "tracking", "prepare"]
 
 
 def _figures(names: list[str]) -> list[tuple[str, Callable[[Options], tuple[list[Row], dict[str, Any]]]]]:
@@ -53,8 +54,13 @@ def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     import torch
 
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                            "platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():  # Linux: the CPU model, more telling than the architecture
         models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
@@ -69,7 +75,9 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen figures and write the results."""
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("figures", nargs="+", choices=["all", *FIGURES])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round, no warm-up")
     p.add_argument("--rounds", type=int, help="measured rounds per figure (default 5; smoke 1)")
@@ -78,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = FIGURES if "all" in args.figures else list(dict.fromkeys(args.figures))
     work = args.work_dir or (args.out / "work" if args.smoke else REPO / "runs" / "bench")
-    opts = Options(smoke=args.smoke, rounds=args.rounds or (1 if args.smoke else 5), warmup=0 if args.smoke else 1,
-                   work_dir=work.resolve(), data_dir=(work / "data").resolve() if args.smoke else REPO / "data" / "stdlib")
+    opts = Options(
+        smoke=args.smoke,
+        rounds=args.rounds or (1 if args.smoke else 5),
+        warmup=0 if args.smoke else 1,
+        work_dir=work.resolve(),
+        data_dir=(work / "data").resolve() if args.smoke else REPO / "data" / "stdlib",
+    )
     fix_threads(1)
     _corpus(opts)
     started = datetime.now(timezone.utc)
@@ -97,19 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     # Other users' load is what makes figures noisy here: record it beside them.
     load = {"before": load_before, "after": os.getloadavg()[0]}
     wall = (datetime.now(timezone.utc) - started).total_seconds()
-    result = {"date": started.isoformat(timespec="seconds"), "command": command, "machine": machine(),
-              "loadavg_1min": load, "wall_s": wall,
-              "options": {"smoke": opts.smoke, "rounds": opts.rounds, "warmup": opts.warmup},
-              "rows": [r.__dict__ for r in rows], "figures": details}
+    result = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": command,
+        "machine": machine(),
+        "loadavg_1min": load,
+        "wall_s": wall,
+        "options": {"smoke": opts.smoke, "rounds": opts.rounds, "warmup": opts.warmup},
+        "rows": [r.__dict__ for r in rows],
+        "figures": details,
+    }
     table = markdown_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = started.strftime("%Y-%m-%dT%H%MZ") + ("-smoke" if opts.smoke else "")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     m = result["machine"]
-    header = (f"`{command}` on {started:%Y-%m-%d %H:%M} UTC: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
-              f"Lightning {m['lightning']}, Accelerate {m['accelerate']}, "
-              f"Python {m['python']}, {opts.rounds} measured rounds after {opts.warmup} warm-up, interleaved; "
-              f"{wall / 60:.1f} minutes; 1-minute load average {load['before']:.1f} before, {load['after']:.1f} after.\n\n")
+    header = (
+        f"`{command}` on {started:%Y-%m-%d %H:%M} UTC: {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}, "
+        f"Lightning {m['lightning']}, Accelerate {m['accelerate']}, "
+        f"Python {m['python']}, {opts.rounds} measured rounds after {opts.warmup} warm-up, interleaved; "
+        f"{wall / 60:.1f} minutes; 1-minute load average {load['before']:.1f} before, {load['after']:.1f} after.\n\n"
+    )
     (args.out / f"{stem}.md").write_text(header + table + "\n")
     print(header + table)
     return 0

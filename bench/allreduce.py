@@ -55,16 +55,33 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """Launch the 2-rank job and tabulate bus bandwidth per size."""
     out = opts.work_dir / "allreduce.json"
     sizes = SMOKE_SIZES if opts.smoke else SIZES
-    args = ["--out", str(out), "--rounds", str(opts.rounds), "--sizes", ",".join(map(str, sizes)),
-            "--target-s", "0.01" if opts.smoke else "0.1"]
+    args = [
+        "--out",
+        str(out),
+        "--rounds",
+        str(opts.rounds),
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--target-s",
+        "0.01" if opts.smoke else "0.1",
+    ]
     run_job(Variant("allreduce", "bench.allreduce", args, nproc=2), opts.work_dir / "allreduce.log")
     data = json.loads(out.read_text())
     rows = []
     for n, values in data["busbw_GBps"].items():
         n = int(n)
         label = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
-        rows.append(Row("gloo all-reduce", f"bus bandwidth, {label}, 2 ranks", summary(values), "GB/s", "reported",
-                        None, f"{data['iters'][str(n)]} iterations per round"))
+        rows.append(
+            Row(
+                "gloo all-reduce",
+                f"bus bandwidth, {label}, 2 ranks",
+                summary(values),
+                "GB/s",
+                "reported",
+                None,
+                f"{data['iters'][str(n)]} iterations per round",
+            )
+        )
     return rows, data
 
 

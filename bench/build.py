@@ -1,23 +1,25 @@
-"""Build ddptrain's Trainer for a benchmark exactly as `ddptrain train` does (cli._train)."""
+"""Build ddptrain's Trainer for a benchmark exactly as `ddptrain train` does (ddptrain.run.build_run)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ddptrain.checkpoint import Checkpointer
 from ddptrain.config import Config, load_config
-from ddptrain.data import build_datasets
 from ddptrain.dist import DistContext
-from ddptrain.metrics import MetricsWriter, Progress
-from ddptrain.models import build_model
-from ddptrain.rng import seed_everything
-from ddptrain.trainer import Trainer
+from ddptrain.run import build_run
+from ddptrain.train.trainer import Trainer
 
 # The default model (4 x 128 GPT, 128-token context, 32 samples a step): compute-heavy here.
 DEFAULT_MODEL: list[str] = []
 # A model whose step takes milliseconds: what is left is the training loop's own cost.
-TINY_MODEL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-              "data.micro_batch_size=4", "train.global_batch_size=8"]
+TINY_MODEL = [
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.micro_batch_size=4",
+    "train.global_batch_size=8",
+]
 SMOKE_MODEL = TINY_MODEL
 # About 100 MB of model + AdamW state (9M parameters x 3 x 4 bytes).
 LARGE_MODEL = ["model.n_layer=6", "model.n_head=4", "model.n_embd=352"]
@@ -31,13 +33,12 @@ def bench_config(model: list[str], data_dir: Path, run_dir: Path, extra: list[st
 
 
 def build_trainer(cfg: Config, ctx: DistContext, cls: type[Trainer] = Trainer) -> Trainer:
-    """The Trainer with the CLI's seeding, datasets, model, metrics, progress and checkpointer."""
-    run_dir = cfg.run_dir
-    seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg)
-    model = build_model(cfg.model)
-    seed_everything(cfg.run.seed + ctx.rank)
-    metrics = MetricsWriter(run_dir, ctx.is_main, cfg.log.tensorboard)
-    progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, cfg.model_dump(mode="json", by_alias=True))
-    return cls(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
+    """The Trainer exactly as `ddptrain train` builds it (ddptrain.run.build_run), of class cls.
+
+    The run folder's lease is released at once: a benchmark builds several trainers on one scratch
+    folder, one after another, in one process.
+    """
+    run = build_run(cfg, ctx, trainer_cls=cls)
+    if run.lease is not None:
+        run.lease.release()
+    return run.trainer

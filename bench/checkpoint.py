@@ -25,8 +25,8 @@ from bench.common import Options, Row, interleave, summary
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
 from ddptrain.config import Config
 from ddptrain.dist import DistContext
-from ddptrain.rng import load_rng_state, rng_state
-from ddptrain.trainer import Trainer
+from ddptrain.train.rng import load_rng_state, rng_state
+from ddptrain.train.trainer import Trainer
 
 
 class _Bench:
@@ -36,8 +36,12 @@ class _Bench:
         self.trainer, self.folder = trainer, folder
         ctx = DistContext()
         config = cfg.model_dump(mode="json", by_alias=True)
-        self.sync = Checkpointer(cfg.ckpt.model_copy(update={"async_save": False, "keep": 2}), folder / "sync", ctx, config)
-        self.async_ = Checkpointer(cfg.ckpt.model_copy(update={"async_save": True, "keep": 2}), folder / "async", ctx, config)
+        self.sync = Checkpointer(
+            cfg.ckpt.model_copy(update={"async_save": False, "keep": 2}), folder / "sync", ctx, config
+        )
+        self.async_ = Checkpointer(
+            cfg.ckpt.model_copy(update={"async_save": True, "keep": 2}), folder / "async", ctx, config
+        )
         self.file = folder / "torch-save.pt"
         self.n = 0
         self.last_sync: Path | None = None
@@ -74,7 +78,7 @@ class _Bench:
     def load_ddptrain(self) -> float:
         assert self.last_sync is not None
         t0 = time.perf_counter()
-        self.trainer.resume(self.last_sync, verify_checkpoint(self.last_sync))
+        self.trainer.resume(verify_checkpoint(self.last_sync))
         return time.perf_counter() - t0
 
     def load_torch(self) -> float:
@@ -109,23 +113,55 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         trainer.train_step()  # AdamW state now exists
         b = _Bench(trainer, cfg, folder)
         b.save_sync()  # the load variants need a checkpoint from the start
-        t = interleave({"torch.save+fsync": b.torch_save, "sync": b.save_sync, "async": b.save_async,
-                        "torch.load": b.load_torch, "ddptrain load": b.load_ddptrain}, opts)
+        t = interleave(
+            {
+                "torch.save+fsync": b.torch_save,
+                "sync": b.save_sync,
+                "async": b.save_async,
+                "torch.load": b.load_torch,
+                "ddptrain load": b.load_ddptrain,
+            },
+            opts,
+        )
         mb = b.file.stat().st_size / 1e6
         speed = summary([a / s for a, s in zip(t["torch.save+fsync"], t["sync"])])
         async_share = summary([a / s for a, s in zip(t["async"], t["sync"])])
         load = summary([a / s for a, s in zip(t["torch.load"], t["ddptrain load"])])
         ms = {k: summary(v)["median"] * 1000 for k, v in t.items()}
         rows += [
-            Row("checkpoint", f"sync save speed vs torch.save+fsync, {label} model ({mb:.0f} MB)", speed, "x", ">= 0.9",
-                speed["median"] >= 0.9, f"sync {ms['sync']:.0f} ms, torch.save {ms['torch.save+fsync']:.0f} ms"),
-            Row("checkpoint", f"async blocked time / sync, {label} model", async_share, "x", "<= 0.2",
-                async_share["median"] <= 0.2, f"async blocks {ms['async']:.0f} ms, commits after "
-                f"{summary(b.async_total)['median'] * 1000:.0f} ms"),
-            Row("checkpoint", f"load speed vs torch.load, {label} model (verify + restore)", load, "x", "reported", None,
-                f"ddptrain {ms['ddptrain load']:.0f} ms, torch.load {ms['torch.load']:.0f} ms"),
+            Row(
+                "checkpoint",
+                f"sync save speed vs torch.save+fsync, {label} model ({mb:.0f} MB)",
+                speed,
+                "x",
+                ">= 0.9",
+                speed["median"] >= 0.9,
+                f"sync {ms['sync']:.0f} ms, torch.save {ms['torch.save+fsync']:.0f} ms",
+            ),
+            Row(
+                "checkpoint",
+                f"async blocked time / sync, {label} model",
+                async_share,
+                "x",
+                "<= 0.2",
+                async_share["median"] <= 0.2,
+                f"async blocks {ms['async']:.0f} ms, commits after {summary(b.async_total)['median'] * 1000:.0f} ms",
+            ),
+            Row(
+                "checkpoint",
+                f"load speed vs torch.load, {label} model (verify + restore)",
+                load,
+                "x",
+                "reported",
+                None,
+                f"ddptrain {ms['ddptrain load']:.0f} ms, torch.load {ms['torch.load']:.0f} ms",
+            ),
         ]
-        data[label] = {"seconds": t, "state_MB": mb, "async_total_s": b.async_total,
-                       "sync_save_profile": b.profile_sync_save()}
+        data[label] = {
+            "seconds": t,
+            "state_MB": mb,
+            "async_total_s": b.async_total,
+            "sync_save_profile": b.profile_sync_save(),
+        }
         trainer.metrics.close()
     return rows, data

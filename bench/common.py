@@ -162,8 +162,11 @@ class Variant:
 
     def command(self) -> list[str]:
         """The command line that starts this variant."""
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
-                    "-m"] if self.nproc else [sys.executable, "-m"]
+        launcher = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}", "-m"]
+            if self.nproc
+            else [sys.executable, "-m"]
+        )
         return [*launcher, self.module, *self.args]
 
 
@@ -195,8 +198,9 @@ class Session:
                 stale.unlink()
         for v in self.variants.values():
             log = open(self.folder / f"{v.name}.log", "wb")
-            self.procs[v.name] = subprocess.Popen(v.command(), stdout=log, stderr=subprocess.STDOUT,
-                                                  env=child_env(v.threads), cwd=REPO)
+            self.procs[v.name] = subprocess.Popen(
+                v.command(), stdout=log, stderr=subprocess.STDOUT, env=child_env(v.threads), cwd=REPO
+            )
             log.close()
         deadline = time.monotonic() + self.start_timeout_s
         for v in self.variants.values():
@@ -216,7 +220,9 @@ class Session:
     def _wait_for(self, path: Path, name: str, deadline: float) -> None:
         while not path.exists():
             if self.procs[name].poll() is not None:
-                raise RuntimeError(f"bench variant {name} exited ({self.procs[name].returncode}):\n{self.log_tail(name)}")
+                raise RuntimeError(
+                    f"bench variant {name} exited ({self.procs[name].returncode}):\n{self.log_tail(name)}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bench variant {name}: no {path.name} in time:\n{self.log_tail(name)}")
             time.sleep(DRIVER_POLL_S)
@@ -229,7 +235,7 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         for name in self.variants:  # also reaches a variant still busy with an interrupted round
             (self.folder / f"{name}.stop").touch()
-        for name, p in self.procs.items():
+        for p in self.procs.values():
             try:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -237,7 +243,9 @@ class Session:
                 p.wait()
         failed = [n for n, p in self.procs.items() if p.returncode != 0]
         if failed and exc[0] is None:
-            raise RuntimeError(f"bench variant(s) {failed} failed at exit:\n" + "\n".join(self.log_tail(n) for n in failed))
+            raise RuntimeError(
+                f"bench variant(s) {failed} failed at exit:\n" + "\n".join(self.log_tail(n) for n in failed)
+            )
 
 
 def interleave_sessions(session: Session, names: Sequence[str], opts: Options) -> dict[str, list[dict[str, Any]]]:
@@ -255,8 +263,14 @@ def run_job(variant: Variant, log: Path, timeout_s: float = 600) -> None:
     """Run a variant to completion (a figure measured inside one job); raise with its output on failure."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
-        proc = subprocess.run(variant.command(), stdout=f, stderr=subprocess.STDOUT, env=child_env(variant.threads),
-                              cwd=REPO, timeout=timeout_s)
+        proc = subprocess.run(
+            variant.command(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=child_env(variant.threads),
+            cwd=REPO,
+            timeout=timeout_s,
+        )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"bench job {variant.name} failed ({proc.returncode}):\n{tail}")

@@ -52,18 +52,37 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         return steps * cfg.train.global_batch_size / seconds
 
     stall: list[float] = []  # the end-to-end rounds' stall, warm-up included
-    t = interleave({"loader": loader_alone,
-                    "step (pre-built batches)": lambda: steps_per_s(itertools.cycle(prebuilt).__next__),
-                    "end to end": lambda: steps_per_s(timed_batch)}, opts)
+    t = interleave(
+        {
+            "loader": loader_alone,
+            "step (pre-built batches)": lambda: steps_per_s(itertools.cycle(prebuilt).__next__),
+            "end to end": lambda: steps_per_s(timed_batch),
+        },
+        opts,
+    )
     e2e_stall = stall[opts.warmup :]
     ratio = summary([a / b for a, b in zip(t["loader"], t["step (pre-built batches)"])])
     st = summary([s * 100 for s in e2e_stall])
     trainer.metrics.close()
     rows = [
-        Row("data", "loader samples/s / training samples/s (pre-built batches)", ratio, "x", ">= 2",
-            ratio["median"] >= 2, f"loader {summary(t['loader'])['median']:,.0f} samples/s, "
-            f"step {summary(t['step (pre-built batches)'])['median']:.0f} samples/s"),
-        Row("data", "end-to-end data stall (time waiting for batches / step time)", st, "%", "<= 5%",
-            st["median"] <= 5, f"end to end {summary(t['end to end'])['median']:.0f} samples/s"),
+        Row(
+            "data",
+            "loader samples/s / training samples/s (pre-built batches)",
+            ratio,
+            "x",
+            ">= 2",
+            ratio["median"] >= 2,
+            f"loader {summary(t['loader'])['median']:,.0f} samples/s, "
+            f"step {summary(t['step (pre-built batches)'])['median']:.0f} samples/s",
+        ),
+        Row(
+            "data",
+            "end-to-end data stall (time waiting for batches / step time)",
+            st,
+            "%",
+            "<= 5%",
+            st["median"] <= 5,
+            f"end to end {summary(t['end to end'])['median']:.0f} samples/s",
+        ),
     ]
     return rows, {"samples_per_s": t, "stall": e2e_stall}

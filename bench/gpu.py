@@ -7,7 +7,7 @@
 GPT-2 124M: 12 layers, 12 heads, width 768, T=1024, vocab 50304 (50257 padded to a multiple of 64),
 bf16 autocast, SDPA attention (the built-in GPT), fused AdamW, synthetic tokens (no download).
 MFU = tokens/s x training FLOPs per token (6N + 12·L·C·T, PaLM appendix B) / the GPU's dense
-bf16 peak (ddptrain.perf's data-sheet table). Ratios (ddptrain / raw, DDP / none, compiled /
+bf16 peak (ddptrain.observe.perf's data-sheet table). Ratios (ddptrain / raw, DDP / none, compiled /
 eager) are measured A B A B in rounds.
 """
 
@@ -19,9 +19,10 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,10 @@ from bench.common import summary  # noqa: E402
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint  # noqa: E402
 from ddptrain.config import Config, load_config  # noqa: E402
 from ddptrain.dist import DistContext  # noqa: E402
-from ddptrain.metrics import MetricsWriter, Progress  # noqa: E402
 from ddptrain.models.gpt import GPT  # noqa: E402
-from ddptrain.perf import device_name, peak_flops  # noqa: E402
-from ddptrain.trainer import Trainer  # noqa: E402
+from ddptrain.observe.metrics import MetricsWriter, Progress  # noqa: E402
+from ddptrain.observe.perf import device_name, peak_flops  # noqa: E402
+from ddptrain.train.trainer import Trainer  # noqa: E402
 
 GPT2 = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024", "model.vocab_size=50304"]
 SMOKE = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.vocab_size=256"]
@@ -68,8 +69,15 @@ class Bench:
     def __init__(self, smoke: bool, batch: int, steps: int, rounds: int) -> None:
         self.smoke, self.steps, self.rounds = smoke, steps, rounds
         self.device = torch.device("cpu") if smoke else torch.device("cuda", 0)
-        overrides = [*(SMOKE if smoke else GPT2), f"data.micro_batch_size={batch}", f"train.global_batch_size={batch}",
-                     "train.precision=bf16", "train.eval_every=0", "ckpt.every_steps=0", "train.warmup_steps=10"]
+        overrides = [
+            *(SMOKE if smoke else GPT2),
+            f"data.micro_batch_size={batch}",
+            f"train.global_batch_size={batch}",
+            "train.precision=bf16",
+            "train.eval_every=0",
+            "ckpt.every_steps=0",
+            "train.warmup_steps=10",
+        ]
         self.cfg: Config = load_config(None, overrides)
         self.dataset = RandomTokens(self.cfg.model.vocab_size, self.cfg.model.block_size, 64 * batch)
         self.tokens_per_step = batch * self.cfg.model.block_size
@@ -86,13 +94,19 @@ class Bench:
 
     def optimizer(self, model: nn.Module) -> torch.optim.AdamW:
         """Fused AdamW on CUDA (one kernel for all parameters)."""
-        return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                 fused=self.device.type == "cuda")
+        return torch.optim.AdamW(
+            model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=self.device.type == "cuda"
+        )
 
     def batches(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """An endless stream of pinned, asynchronously copied batches."""
-        loader = DataLoader(self.dataset, batch_size=self.cfg.data.micro_batch_size, shuffle=False,
-                            pin_memory=self.device.type == "cuda", drop_last=True)
+        loader = DataLoader(
+            self.dataset,
+            batch_size=self.cfg.data.micro_batch_size,
+            shuffle=False,
+            pin_memory=self.device.type == "cuda",
+            drop_last=True,
+        )
         state = {"it": iter(loader)}
 
         def nxt() -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +160,8 @@ def peak(device: torch.device, measured: float) -> tuple[float, str]:
     """The GPU's dense bf16 peak from ddptrain's data-sheet table, else the measured matmul ceiling."""
     nominal = peak_flops(device_name(device), "bf16") if device.type == "cuda" else None
     if nominal is not None:
-        return nominal, "data sheet (ddptrain.perf)"
-    return measured, "measured matmul ceiling (device not in ddptrain.perf's table)"
+        return nominal, "data sheet (ddptrain.observe.perf)"
+    return measured, "measured matmul ceiling (device not in ddptrain.observe.perf's table)"
 
 
 def matmul_ceiling(b: Bench) -> dict[str, Any]:
@@ -185,8 +199,12 @@ def gpt2(b: Bench, peak_per_s: float) -> dict[str, Any]:
     compile_s = time.perf_counter() - t0
     t = b.interleave({"eager": b.raw_step(model, opt, nxt), "compiled": b.raw_step(compiled, opt, nxt)})
     fpt = model.flops_per_token()
-    res: dict[str, Any] = {"flops_per_token": fpt, "tokens_per_step": b.tokens_per_step, "compile_s": compile_s,
-                           "params": model.num_params()}
+    res: dict[str, Any] = {
+        "flops_per_token": fpt,
+        "tokens_per_step": b.tokens_per_step,
+        "compile_s": compile_s,
+        "params": model.num_params(),
+    }
     for name, secs in t.items():
         tps = [b.tokens_per_step / s for s in secs]
         res[name] = {"tokens_per_s": summary(tps), "mfu": summary([x * fpt / peak_per_s for x in tps])}
@@ -201,10 +219,20 @@ def trainer_vs_raw(b: Bench, run: Path) -> dict[str, Any]:
     cfg = b.cfg.model_copy(deep=True)
     cfg.run.dir = str(run / "trainer")
     checkpointer = Checkpointer(cfg.ckpt, run / "trainer", ctx, cfg.model_dump(mode="json", by_alias=True))
-    trainer = Trainer(cfg, ctx, b.model(), b.dataset, None, checkpointer,
-                      MetricsWriter(run / "trainer", True), Progress(False, cfg.train.max_steps, 0))
+    trainer = Trainer(
+        cfg,
+        ctx,
+        b.model(),
+        b.dataset,
+        None,
+        checkpointer,
+        MetricsWriter(run / "trainer", True),
+        Progress(False, cfg.train.max_steps, 0),
+    )
     raw_model = b.model()
-    t = b.interleave({"ddptrain": lambda: trainer.train_step(), "raw": b.raw_step(raw_model, b.optimizer(raw_model), b.batches())})
+    t = b.interleave(
+        {"ddptrain": lambda: trainer.train_step(), "raw": b.raw_step(raw_model, b.optimizer(raw_model), b.batches())}
+    )
     ratio = summary([a / r for a, r in zip(t["ddptrain"], t["raw"])])
     return {"seconds_per_step": {k: summary(v) for k, v in t.items()}, "ratio": ratio, "trainer": trainer}
 
@@ -221,20 +249,32 @@ def ddp_overhead(b: Bench) -> dict[str, Any]:
         bare = b.model()
         wrapped = b.model()
         ddp = DDP(wrapped, device_ids=None if b.smoke else [0], gradient_as_bucket_view=True)
-        t = b.interleave({"no DDP": b.raw_step(bare, b.optimizer(bare), b.batches()),
-                          "DDP": b.raw_step(ddp, b.optimizer(wrapped), b.batches())})
+        t = b.interleave(
+            {
+                "no DDP": b.raw_step(bare, b.optimizer(bare), b.batches()),
+                "DDP": b.raw_step(ddp, b.optimizer(wrapped), b.batches()),
+            }
+        )
     finally:
         dist.destroy_process_group()
-    return {"seconds_per_step": {k: summary(v) for k, v in t.items()},
-            "overhead": summary([d / n - 1 for d, n in zip(t["DDP"], t["no DDP"])])}
+    return {
+        "seconds_per_step": {k: summary(v) for k, v in t.items()},
+        "overhead": summary([d / n - 1 for d, n in zip(t["DDP"], t["no DDP"])]),
+    }
 
 
 def checkpoint(b: Bench, trainer: Trainer, run: Path) -> dict[str, Any]:
     """Sync and async save (blocked and total time) and verified load of the Trainer's full state."""
     ctx = DistContext(device=b.device)
     config = trainer.cfg.model_dump(mode="json", by_alias=True)
-    ckpts = {"sync": Checkpointer(trainer.cfg.ckpt.model_copy(update={"async_save": False, "keep": 1}), run / "sync", ctx, config),
-             "async": Checkpointer(trainer.cfg.ckpt.model_copy(update={"async_save": True, "keep": 1}), run / "async", ctx, config)}
+    ckpts = {
+        "sync": Checkpointer(
+            trainer.cfg.ckpt.model_copy(update={"async_save": False, "keep": 1}), run / "sync", ctx, config
+        ),
+        "async": Checkpointer(
+            trainer.cfg.ckpt.model_copy(update={"async_save": True, "keep": 1}), run / "async", ctx, config
+        ),
+    }
     res: dict[str, Any] = {}
     path = None
     for name, ckpt in ckpts.items():
@@ -256,7 +296,7 @@ def checkpoint(b: Bench, trainer: Trainer, run: Path) -> dict[str, Any]:
     loads = []
     for _ in range(2):
         t0 = time.perf_counter()
-        trainer.resume(path, verify_checkpoint(path))
+        trainer.resume(verify_checkpoint(path))
         b.sync()
         loads.append(time.perf_counter() - t0)
     res["load_s"] = summary(loads)
@@ -278,10 +318,15 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = True
     b = Bench(args.smoke, 2 if args.smoke else args.batch, steps=2 if args.smoke else 20, rounds=1 if args.smoke else 4)
     started = datetime.now(timezone.utc)
-    result: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-                              "torch": torch.__version__, "smoke": args.smoke,
-                              "device": torch.cuda.get_device_name(0) if b.device.type == "cuda" else "cpu",
-                              "batch": b.cfg.data.micro_batch_size, "block_size": b.cfg.model.block_size}
+    result: dict[str, Any] = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "device": torch.cuda.get_device_name(0) if b.device.type == "cuda" else "cpu",
+        "batch": b.cfg.data.micro_batch_size,
+        "block_size": b.cfg.model.block_size,
+    }
     t_all = time.perf_counter()
     result["matmul"] = matmul_ceiling(b)
     peak_per_s, source = peak(b.device, result["matmul"]["best_tflops"] * 1e12)
@@ -310,13 +355,15 @@ def main() -> int:
     out = args.out / f"gpu-{started:%Y-%m-%dT%H%MZ}{'-smoke' if args.smoke else ''}.json"
     out.write_text(json.dumps(result, indent=1))
     g = result["gpt2"]
-    print(f"{result['device']}: matmul {result['matmul']['best_tflops']:.0f} TFLOP/s; GPT-2 124M "
-          f"eager {g['eager']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['eager']['mfu']['median']:.1%}), "
-          f"compiled {g['compiled']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['compiled']['mfu']['median']:.1%}); "
-          f"ddptrain/raw {tv['ratio']['median']:.3f}; DDP overhead {result['ddp']['overhead']['median']:+.1%}; "
-          f"save sync {result['checkpoint']['sync']['blocked_s']['median']:.2f} s, async blocked "
-          f"{result['checkpoint']['async']['blocked_s']['median']:.2f} s, load {result['checkpoint']['load_s']['median']:.2f} s "
-          f"({result['checkpoint']['state_GB']:.2f} GB); {result['wall_s']:.0f} s in all -> {out}")
+    print(
+        f"{result['device']}: matmul {result['matmul']['best_tflops']:.0f} TFLOP/s; GPT-2 124M "
+        f"eager {g['eager']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['eager']['mfu']['median']:.1%}), "
+        f"compiled {g['compiled']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['compiled']['mfu']['median']:.1%}); "
+        f"ddptrain/raw {tv['ratio']['median']:.3f}; DDP overhead {result['ddp']['overhead']['median']:+.1%}; "
+        f"save sync {result['checkpoint']['sync']['blocked_s']['median']:.2f} s, async blocked "
+        f"{result['checkpoint']['async']['blocked_s']['median']:.2f} s, load {result['checkpoint']['load_s']['median']:.2f} s "
+        f"({result['checkpoint']['state_GB']:.2f} GB); {result['wall_s']:.0f} s in all -> {out}"
+    )
     return 0
 
 

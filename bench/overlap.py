@@ -34,7 +34,7 @@ import torch.distributed as dist
 from bench.build import DEFAULT_MODEL, SMOKE_MODEL, bench_config, build_trainer
 from bench.common import Options, Row, Variant, run_job, summary
 from ddptrain.dist import close_distributed, init_distributed
-from ddptrain.trainer import Trainer
+from ddptrain.train.trainer import Trainer
 
 LINK_SHARE = 0.4
 BUCKETS_MB = {"small buckets": 0.25, "one bucket": 1000.0}
@@ -88,21 +88,25 @@ class SlowLink:
         if not events:
             return 0.0, []
         exposed = max(0.0, max(e for _, _, e, _ in events) - max(q for q, _, _, _ in events))
-        return exposed, [{"ready_ms": (q - t0) * 1e3, "start_ms": (s - t0) * 1e3, "sent_ms": (e - t0) * 1e3,
-                          "MB": n / 1e6} for q, s, e, n in events]
+        return exposed, [
+            {"ready_ms": (q - t0) * 1e3, "start_ms": (s - t0) * 1e3, "sent_ms": (e - t0) * 1e3, "MB": n / 1e6}
+            for q, s, e, n in events
+        ]
 
 
 def worker(out: Path, rounds: int, steps: int, smoke: bool, data: Path, run_dir: Path) -> None:
     """Inside torchrun: two Trainers (small buckets, one bucket) sharing one slow link."""
     model = SMOKE_MODEL if smoke else DEFAULT_MODEL
-    cfgs = {name: bench_config(model, data, run_dir / name.replace(" ", "-"), [f"dist.bucket_cap_mb={mb}"])
-            for name, mb in BUCKETS_MB.items()}
+    cfgs = {
+        name: bench_config(model, data, run_dir / name.replace(" ", "-"), [f"dist.bucket_cap_mb={mb}"])
+        for name, mb in BUCKETS_MB.items()
+    }
     ctx = init_distributed(next(iter(cfgs.values())).dist)
     link = SlowLink()
     trainers: dict[str, Trainer] = {}
     for name, cfg in cfgs.items():
         trainers[name] = build_trainer(cfg, ctx)
-        trainers[name].ddp.register_comm_hook(None, link.hook)
+        trainers[name].timer.send_through(trainers[name].ddp, link.hook)  # after the trainer's own stamping hook
 
     timelines: dict[str, list[dict[str, float]]] = {}
 
@@ -134,24 +138,50 @@ def worker(out: Path, rounds: int, steps: int, smoke: bool, data: Path, run_dir:
         for name in names if r % 2 == 0 else reversed(names):
             fast = timed(trainers[name], math.inf)
             slow = timed(trainers[name], float(bandwidth))
-            rows.setdefault(name, []).append({"fast_step_s": fast["step_s"], "slow_step_s": slow["step_s"],
-                                              "link_s": slow["link_s"], "buckets": slow["buckets"],
-                                              "exposed": slow["exposed_s"] / slow["link_s"],
-                                              "step_time_exposed": (slow["step_s"] - fast["step_s"]) / slow["link_s"]})
+            rows.setdefault(name, []).append(
+                {
+                    "fast_step_s": fast["step_s"],
+                    "slow_step_s": slow["step_s"],
+                    "link_s": slow["link_s"],
+                    "buckets": slow["buckets"],
+                    "exposed": slow["exposed_s"] / slow["link_s"],
+                    "step_time_exposed": (slow["step_s"] - fast["step_s"]) / slow["link_s"],
+                }
+            )
     if ctx.is_main:
         last = {name: timelines[cfgs[name].run.dir or ""] for name in names}
-        out.write_text(json.dumps({"bandwidth_MBps": float(bandwidth) / 1e6, "grad_MB": grad_bytes / 1e6,
-                                   "rounds": rows, "last_step_timeline": last}))
+        out.write_text(
+            json.dumps(
+                {
+                    "bandwidth_MBps": float(bandwidth) / 1e6,
+                    "grad_MB": grad_bytes / 1e6,
+                    "rounds": rows,
+                    "last_step_timeline": last,
+                }
+            )
+        )
     close_distributed(ctx)
 
 
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """Launch the 2-rank job; exposed fraction per bucket setting."""
     out = opts.work_dir / "overlap.json"
-    args = ["--out", str(out), "--rounds", str(opts.rounds), "--steps", "2" if opts.smoke else "8",
-            "--data", str(opts.data_dir), "--run-dir", str(opts.work_dir / "runs" / "overlap")]
-    run_job(Variant("overlap", "bench.overlap", args + (["--smoke"] if opts.smoke else []), nproc=2),
-            opts.work_dir / "overlap.log")
+    args = [
+        "--out",
+        str(out),
+        "--rounds",
+        str(opts.rounds),
+        "--steps",
+        "2" if opts.smoke else "8",
+        "--data",
+        str(opts.data_dir),
+        "--run-dir",
+        str(opts.work_dir / "runs" / "overlap"),
+    ]
+    run_job(
+        Variant("overlap", "bench.overlap", args + (["--smoke"] if opts.smoke else []), nproc=2),
+        opts.work_dir / "overlap.log",
+    )
     data = json.loads(out.read_text())
     rows = []
     for name, rounds in data["rounds"].items():
@@ -160,9 +190,18 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         buckets = summary([r["buckets"] for r in rounds])["median"]
         link_ms = summary([r["link_s"] for r in rounds])["median"] * 1000
         by_time = summary([r["step_time_exposed"] for r in rounds])["median"]
-        rows.append(Row("overlap", f"exposed communication fraction, {name} ({BUCKETS_MB[name]:g} MB cap)", s, "",
-                        target, met, f"{buckets:.0f} buckets/step, link {link_ms:.0f} ms/step "
-                        f"({data['bandwidth_MBps']:.0f} MB/s); from step times (noisy): {by_time:.2f}"))
+        rows.append(
+            Row(
+                "overlap",
+                f"exposed communication fraction, {name} ({BUCKETS_MB[name]:g} MB cap)",
+                s,
+                "",
+                target,
+                met,
+                f"{buckets:.0f} buckets/step, link {link_ms:.0f} ms/step "
+                f"({data['bandwidth_MBps']:.0f} MB/s); from step times (noisy): {by_time:.2f}",
+            )
+        )
     return rows, data
 
 

@@ -19,12 +19,12 @@ from bench.common import Baton
 from bench.raw_loop import make_optimizer
 from bench.train_worker import run_rounds
 from ddptrain.config import Config
-from ddptrain.data.dataset import TokenDataset
+from ddptrain.data.dataset import TokenDataset, load_split
 from ddptrain.models.gpt import GPT
 
 
 def _dataset(cfg: Config) -> TokenDataset:
-    return TokenDataset(Path(cfg.data.dir) / "train.bin", cfg.model.block_size)
+    return load_split(Path(cfg.data.dir), "train", cfg.model.block_size)
 
 
 def lightning_worker(cfg: Config, baton: Baton, steps: int) -> None:
@@ -57,20 +57,37 @@ def lightning_worker(cfg: Config, baton: Baton, steps: int) -> None:
                 trainer.strategy.barrier()
                 self.t0 = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             self.done += 1
             self.losses.append(outputs["loss"].detach())
             if self.done % steps == 0:
                 seconds = time.perf_counter() - self.t0
-                baton.report({"seconds": seconds, "steps": steps, "samples": steps * cfg.train.global_batch_size,
-                              "threads": torch.get_num_threads(), "losses": [float(x) for x in self.losses]})
+                baton.report(
+                    {
+                        "seconds": seconds,
+                        "steps": steps,
+                        "samples": steps * cfg.train.global_batch_size,
+                        "threads": torch.get_num_threads(),
+                        "losses": [float(x) for x in self.losses],
+                    }
+                )
                 self.losses.clear()
 
     world = int(os.environ["WORLD_SIZE"])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp", max_steps=cfg.train.max_steps,
-        gradient_clip_val=cfg.train.grad_clip, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        max_steps=cfg.train.max_steps,
+        gradient_clip_val=cfg.train.grad_clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
         callbacks=[Rounds()],
     )
     loader = DataLoader(_dataset(cfg), batch_size=cfg.data.micro_batch_size, shuffle=True)

@@ -58,7 +58,7 @@ def profile_steps(model: str, raw: bool, steps: int, rows: int) -> None:
 
 def profile_save(model: str, rows: int) -> None:
     """cProfile of one Checkpointer sync save and one torch.save + fsync of the same state."""
-    from ddptrain.rng import rng_state
+    from ddptrain.train.rng import rng_state
 
     run_dir = REPO / "runs" / "bench" / "profile-save"
     shutil.rmtree(run_dir, ignore_errors=True)  # keep= must not prune this run's saves for an older run's
@@ -72,15 +72,22 @@ def profile_save(model: str, rows: int) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    async_ckpt = Checkpointer(cfg.ckpt.model_copy(update={"async_save": True}), run_dir / "async", DistContext(),
-                              cfg.model_dump(mode="json", by_alias=True))
+    async_ckpt = Checkpointer(
+        cfg.ckpt.model_copy(update={"async_save": True}),
+        run_dir / "async",
+        DistContext(),
+        cfg.model_dump(mode="json", by_alias=True),
+    )
 
     def async_blocked() -> None:  # only the part the training loop waits for
         trainer.step += 1
         async_ckpt.save(trainer.step, trainer.state_dict(), {"rng": rng_state()})
 
-    for name, fn in (("Checkpointer sync save", trainer.save_checkpoint), ("torch.save + fsync", torch_save),
-                     ("Checkpointer async save, blocked part", async_blocked)):
+    for name, fn in (
+        ("Checkpointer sync save", trainer.save_checkpoint),
+        ("torch.save + fsync", torch_save),
+        ("Checkpointer async save, blocked part", async_blocked),
+    ):
         fn()  # warm-up (first file creation, page cache)
         async_ckpt.wait()
         prof = cProfile.Profile()

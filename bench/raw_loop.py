@@ -15,18 +15,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ddptrain.config import Config
-from ddptrain.data.dataset import TokenDataset
+from ddptrain.data.dataset import load_split
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.models.gpt import GPT
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (decay on matrices only) with linear warm-up and cosine decay, per step."""
+    """Fused AdamW (decay on matrices only, as the Trainer's on CPU) with linear warm-up and cosine decay, per step."""
     t = cfg.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=t.betas)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=t.betas,
+        fused=True,
+    )
 
     def schedule(s: int) -> float:
         if s < t.warmup_steps:
@@ -44,7 +48,7 @@ class RawLoop:
         rank, world = dist.get_rank(), dist.get_world_size()
         t = cfg.train
         assert t.global_batch_size == cfg.data.micro_batch_size * world, "the raw loop has no accumulation"
-        dataset = TokenDataset(Path(cfg.data.dir) / "train.bin", cfg.model.block_size)
+        dataset = load_split(Path(cfg.data.dir), "train", cfg.model.block_size)
         torch.manual_seed(cfg.run.seed)
         model = GPT(cfg.model)
         self.model = DDP(model)

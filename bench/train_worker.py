@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from bench.build import DEFAULT_MODEL, TINY_MODEL, bench_config, build_trainer
 from bench.common import Baton
 from ddptrain.config import Config
 from ddptrain.dist import close_distributed, init_distributed
-from ddptrain.trainer import StepResult, Trainer
+from ddptrain.train.trainer import StepResult, Trainer
 
 MODELS = {"default": DEFAULT_MODEL, "tiny": TINY_MODEL}
 
@@ -40,17 +41,33 @@ class BenchTrainer(Trainer):
     def save_checkpoint(self) -> None:
         """The raw loop saves nothing either; checkpoint cost has a figure of its own."""
 
+    def finish_saves(self) -> None:
+        """Nothing was saved, so there is no final state to wait for or to require."""
 
-def run_rounds(baton: Baton, run_round: Callable[[], None], sync: Callable[[], None], steps: int,
-               samples_per_step: int, losses: Callable[[], list[float]]) -> None:
+
+def run_rounds(
+    baton: Baton,
+    run_round: Callable[[], None],
+    sync: Callable[[], None],
+    steps: int,
+    samples_per_step: int,
+    losses: Callable[[], list[float]],
+) -> None:
     """Serve rounds until told to stop: sync the ranks, time S steps, report."""
     while baton.wait():
         sync()
         t0 = time.perf_counter()
         run_round()
         seconds = time.perf_counter() - t0
-        baton.report({"seconds": seconds, "steps": steps, "samples": steps * samples_per_step,
-                      "threads": torch.get_num_threads(), "losses": losses()})
+        baton.report(
+            {
+                "seconds": seconds,
+                "steps": steps,
+                "samples": steps * samples_per_step,
+                "threads": torch.get_num_threads(),
+                "losses": losses(),
+            }
+        )
 
 
 def ddptrain_worker(cfg: Config, baton: Baton, steps: int) -> None:

@@ -17,8 +17,23 @@ from bench.common import Options, Row, Session, Variant, interleave_sessions, su
 def _variant(name: str, kind: str, opts: Options, model: str, steps: int, nproc: int, threads: int = 1) -> Variant:
     total = (opts.warmup + opts.rounds) * steps
     folder = opts.work_dir / "session"
-    args = [kind, "--baton", str(folder), "--name", name, "--steps", str(steps), "--total-steps", str(total),
-            "--model", model, "--data", str(opts.data_dir), "--run-dir", str(opts.work_dir / "runs" / name)]
+    args = [
+        kind,
+        "--baton",
+        str(folder),
+        "--name",
+        name,
+        "--steps",
+        str(steps),
+        "--total-steps",
+        str(total),
+        "--model",
+        model,
+        "--data",
+        str(opts.data_dir),
+        "--run-dir",
+        str(opts.work_dir / "runs" / name),
+    ]
     return Variant(name, "bench.train_worker", args, nproc=nproc, threads=threads)
 
 
@@ -50,11 +65,15 @@ def _plan(figures: set[str], opts: Options) -> list[Variant]:
     if "overhead" in figures:
         plan.append(_variant("raw", "raw", opts, model, steps, 2))
         if not opts.smoke:  # in smoke mode the main pair already is the tiny model
-            plan += [_variant("ddptrain-tiny", "ddptrain", opts, "tiny", 60, 2),
-                     _variant("raw-tiny", "raw", opts, "tiny", 60, 2)]
+            plan += [
+                _variant("ddptrain-tiny", "ddptrain", opts, "tiny", 60, 2),
+                _variant("raw-tiny", "raw", opts, "tiny", 60, 2),
+            ]
     if "scaling" in figures:
-        plan += [_variant("1x1", "ddptrain", opts, model, steps, 0, threads=1),
-                 _variant("1x2", "ddptrain", opts, model, steps, 0, threads=2)]
+        plan += [
+            _variant("1x1", "ddptrain", opts, model, steps, 0, threads=1),
+            _variant("1x2", "ddptrain", opts, model, steps, 0, threads=2),
+        ]
     if "peers" in figures:
         plan += [_variant(n, n, opts, model, steps, 2) for n, ok in peers_available().items() if ok]
     return plan
@@ -74,9 +93,13 @@ def run(opts: Options, figures: set[str]) -> tuple[list[Row], dict[str, Any]]:
         rows += _scaling(sps)
     if "peers" in figures:
         rows += _peers(sps)
-    data = {"seconds": seconds, "samples_per_s": sps, "steps_per_round": steps,
-            "threads": {n: rounds[0]["threads"] for n, rounds in res.items()},
-            "losses": {n: _losses(res, n) for n in res if n.startswith(("ddptrain", "raw"))}}
+    data = {
+        "seconds": seconds,
+        "samples_per_s": sps,
+        "steps_per_round": steps,
+        "threads": {n: rounds[0]["threads"] for n, rounds in res.items()},
+        "losses": {n: _losses(res, n) for n in res if n.startswith(("ddptrain", "raw"))},
+    }
     return rows, data
 
 
@@ -92,25 +115,58 @@ def _overhead(res: dict[str, list[dict[str, Any]]], t: dict[str, list[float]], s
         note = f"raw loop {raw_ms:.1f} ms/step; losses bit-identical over {len(_losses(res, b))} steps: {identical}"
         if suffix == "":
             s = summary([x / y for x, y in zip(t[a], t[b])])
-            rows.append(Row("trainer overhead", "step-time ratio ddptrain / raw loop, 2 ranks", s, "x",
-                            "<= 1.02", s["median"] <= 1.02 and identical, note))
+            rows.append(
+                Row(
+                    "trainer overhead",
+                    "step-time ratio ddptrain / raw loop, 2 ranks",
+                    s,
+                    "x",
+                    "<= 1.02",
+                    s["median"] <= 1.02 and identical,
+                    note,
+                )
+            )
         else:
             s = summary([(x - y) / steps[b] * 1000 for x, y in zip(t[a], t[b])])
-            rows.append(Row("trainer overhead", "extra time per step vs raw loop, tiny model, 2 ranks", s, "ms",
-                            "<= 5 ms", s["median"] <= 5 and identical, note))
+            rows.append(
+                Row(
+                    "trainer overhead",
+                    "extra time per step vs raw loop, tiny model, 2 ranks",
+                    s,
+                    "ms",
+                    "<= 5 ms",
+                    s["median"] <= 5 and identical,
+                    note,
+                )
+            )
     return rows
 
 
 def _scaling(sps: dict[str, list[float]]) -> list[Row]:
     linear = summary([a / (2 * b) for a, b in zip(sps["ddptrain"], sps["1x1"])])
     vs_threads = summary([a / b for a, b in zip(sps["ddptrain"], sps["1x2"])])
-    note = (f"samples/s: 2 ranks {summary(sps['ddptrain'])['median']:.0f}, 1x1 {summary(sps['1x1'])['median']:.0f}, "
-            f"1x2 {summary(sps['1x2'])['median']:.0f}")
+    note = (
+        f"samples/s: 2 ranks {summary(sps['ddptrain'])['median']:.0f}, 1x1 {summary(sps['1x1'])['median']:.0f}, "
+        f"1x2 {summary(sps['1x2'])['median']:.0f}"
+    )
     return [
-        Row("scaling", "2 ranks x 1 thread vs 2 x (1 rank x 1 thread)", linear, "of linear", ">= 0.85",
-            linear["median"] >= 0.85, note),
-        Row("scaling", "2 ranks x 1 thread vs 1 process x 2 threads", vs_threads, "x", ">= 0.90",
-            vs_threads["median"] >= 0.90),
+        Row(
+            "scaling",
+            "2 ranks x 1 thread vs 2 x (1 rank x 1 thread)",
+            linear,
+            "of linear",
+            ">= 0.85",
+            linear["median"] >= 0.85,
+            note,
+        ),
+        Row(
+            "scaling",
+            "2 ranks x 1 thread vs 1 process x 2 threads",
+            vs_threads,
+            "x",
+            ">= 0.90",
+            vs_threads["median"] >= 0.90,
+        ),
     ]
 
 
@@ -118,11 +174,27 @@ def _peers(sps: dict[str, list[float]]) -> list[Row]:
     rows = []
     for peer, ok in peers_available().items():
         if not ok:
-            rows.append(Row("peers", f"ddptrain vs {peer}", None, target=">= 1 within spread",
-                            note=f"skipped: {peer} not installed (pip install -e '.[bench]')"))
+            rows.append(
+                Row(
+                    "peers",
+                    f"ddptrain vs {peer}",
+                    None,
+                    target=">= 1 within spread",
+                    note=f"skipped: {peer} not installed (pip install -e '.[bench]')",
+                )
+            )
             continue
         s = summary([a / b for a, b in zip(sps["ddptrain"], sps[peer])])
         # Met when ddptrain is at least as fast within the spread: the best round ratio reaches 1.
-        rows.append(Row("peers", f"samples/s ddptrain / {peer}, 2 ranks", s, "x", ">= 1 within spread",
-                        s["max"] >= 1.0, f"{peer}: {summary(sps[peer])['median']:.0f} samples/s"))
+        rows.append(
+            Row(
+                "peers",
+                f"samples/s ddptrain / {peer}, 2 ranks",
+                s,
+                "x",
+                ">= 1 within spread",
+                s["max"] >= 1.0,
+                f"{peer}: {summary(sps[peer])['median']:.0f} samples/s",
+            )
+        )
     return rows

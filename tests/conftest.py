@@ -5,8 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import TESTS_DIR, TINY, prepare_tiny_corpus
 
-from helpers import TINY, prepare_tiny_corpus
+# The folder decides the marker, so `-m "not dist and not cluster"` selects exactly tests/unit even
+# if a file forgets its `pytestmark` line (tests/unit/test_markers.py checks that none does).
+FOLDER_MARKERS = {"dist": pytest.mark.dist, "cluster": pytest.mark.cluster}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test in tests/dist with `dist` and every test in tests/cluster with `cluster`."""
+    for item in items:
+        folder = item.path.relative_to(TESTS_DIR).parts[0] if item.path.is_relative_to(TESTS_DIR) else ""
+        if folder in FOLDER_MARKERS and item.get_closest_marker(folder) is None:
+            item.add_marker(FOLDER_MARKERS[folder])
 
 
 @pytest.fixture(scope="session")

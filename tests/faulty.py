@@ -5,7 +5,11 @@ CPU); fail_at / fail_rank raise at that training forward of that rank while
 TORCHELASTIC_RESTART_COUNT < fail_restarts; nan_at / nan_rank make that forward's loss NaN;
 record_dir gets one line per training forward and rank with a checksum of the parameters;
 extra_params adds a parameter of that many floats (its gradient is all-reduced like any other)
-to make the all-reduce bigger.
+to make the all-reduce bigger. Hangs: hang_at / hang_rank sleep hang_s inside that forward (a
+marker file in record_dir, or beside the run, says when); sync_stat all-reduces a statistic over
+the default group in every training forward (as SyncBatchNorm does) and skip_rank skips it at
+forward skip_at. build_blocking_datasets: a dataset whose items block on opening a FIFO nobody
+writes (I/O that never completes) on one rank from one item on.
 """
 
 from __future__ import annotations
@@ -15,17 +19,39 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import Dataset
+from toy import IdDataset
 
 
 class FaultyRegressor(nn.Module):
-    def __init__(self, dim: int, step_sleep: float, fail_at: int | None, fail_rank: int, fail_restarts: int,
-                 nan_at: int | None, nan_rank: int, record_dir: str | None, extra_params: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        step_sleep: float,
+        fail_at: int | None,
+        fail_rank: int,
+        fail_restarts: int,
+        nan_at: int | None,
+        nan_rank: int,
+        record_dir: str | None,
+        extra_params: int,
+        hang: tuple[int | None, int, float, str | None],
+        skip: tuple[bool, int | None, int],
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
         self.extra = nn.Parameter(torch.zeros(extra_params)) if extra_params else None
-        self.step_sleep, self.fail_at, self.fail_rank, self.fail_restarts = step_sleep, fail_at, fail_rank, fail_restarts
+        self.step_sleep, self.fail_at, self.fail_rank, self.fail_restarts = (
+            step_sleep,
+            fail_at,
+            fail_rank,
+            fail_restarts,
+        )
         self.nan_at, self.nan_rank = nan_at, nan_rank
+        self.hang_at, self.hang_rank, self.hang_s, self.hang_marker = hang
+        self.sync_stat, self.skip_at, self.skip_rank = skip
         self.rank = int(os.environ.get("RANK", "0"))
         self.forwards = 0
         self.record = None
@@ -51,10 +77,77 @@ class FaultyRegressor(nn.Module):
             loss = loss * float("nan")
         if self.step_sleep:
             time.sleep(self.step_sleep)
+        first_try = restarts == 0
+        if self.sync_stat and not (first_try and self.forwards == self.skip_at and self.rank == self.skip_rank):
+            stat = x.detach().mean().reshape(1)
+            dist.all_reduce(stat)  # the default group, like SyncBatchNorm's statistics
+        if first_try and self.hang_at == self.forwards and self.rank == self.hang_rank:
+            if self.hang_marker:
+                Path(self.hang_marker).write_text(repr(time.time()))
+            time.sleep(self.hang_s)
         return loss
 
 
-def build_model(dim: int = 8, step_sleep: float = 0.0, fail_at: int | None = None, fail_rank: int = 0,
-                fail_restarts: int = 1, nan_at: int | None = None, nan_rank: int = 0, record_dir: str | None = None,
-                extra_params: int = 0) -> nn.Module:
-    return FaultyRegressor(dim, step_sleep, fail_at, fail_rank, fail_restarts, nan_at, nan_rank, record_dir, extra_params)
+def build_model(
+    dim: int = 8,
+    step_sleep: float = 0.0,
+    fail_at: int | None = None,
+    fail_rank: int = 0,
+    fail_restarts: int = 1,
+    nan_at: int | None = None,
+    nan_rank: int = 0,
+    record_dir: str | None = None,
+    extra_params: int = 0,
+    hang_at: int | None = None,
+    hang_rank: int = 1,
+    hang_s: float = 0.0,
+    hang_marker: str | None = None,
+    sync_stat: bool = False,
+    skip_at: int | None = None,
+    skip_rank: int = 1,
+) -> nn.Module:
+    return FaultyRegressor(
+        dim,
+        step_sleep,
+        fail_at,
+        fail_rank,
+        fail_restarts,
+        nan_at,
+        nan_rank,
+        record_dir,
+        extra_params,
+        (hang_at, hang_rank, hang_s, hang_marker),
+        (sync_stat, skip_at, skip_rank),
+    )
+
+
+class BlockingDataset(Dataset):
+    """IdDataset whose items block forever (opening a FIFO for reading, no writer) once block_after were read on block_rank."""
+
+    def __init__(self, inner: Dataset, block_rank: int, block_after: int, fifo: str) -> None:
+        self.inner, self.fifo, self.reads = inner, fifo, 0
+        self.armed = (
+            int(os.environ.get("RANK", "0")) == block_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        )
+        self.block_after = block_after
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        if self.armed and self.reads > self.block_after:
+            with open(self.fifo, "rb") as f:  # blocks in open(): nobody ever opens the FIFO for writing
+                f.read()
+        return self.inner[i]
+
+
+def build_blocking_datasets(
+    fifo: str, block_rank: int = 1, block_after: int = 100, n: int = 4096, dim: int = 8
+) -> tuple[Dataset, Dataset]:
+    if not os.path.exists(fifo):
+        try:
+            os.mkfifo(fifo)
+        except FileExistsError:
+            pass  # another rank made it first
+    return BlockingDataset(IdDataset(n, dim, seed=0), block_rank, block_after, fifo), IdDataset(64, dim, seed=1)

@@ -19,9 +19,17 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 # A GPT small enough that a step takes milliseconds on one CPU core.
 TINY = [
-    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-    "data.micro_batch_size=4", "train.global_batch_size=8", "train.max_steps=6",
-    "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1", "ckpt.every_steps=3",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.max_steps=6",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "log.every_steps=1",
+    "ckpt.every_steps=3",
 ]
 
 
@@ -45,23 +53,46 @@ def env_for_subprocess(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_ddptrain(args: list[str], *, nproc: int = 0, timeout: float = 120, env: dict[str, str] | None = None,
-                 cwd: Path | None = None, max_file_bytes: int | None = None) -> subprocess.CompletedProcess[str]:
+def run_ddptrain(
+    args: list[str],
+    *,
+    nproc: int = 0,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    max_file_bytes: int | None = None,
+) -> subprocess.CompletedProcess[str]:
     """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0.
 
     max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
     """
+
     def limit() -> None:
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "ddptrain", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "ddptrain",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "ddptrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess(env), cwd=cwd,
-                          preexec_fn=limit if max_file_bytes is not None else None)
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_for_subprocess(env),
+        cwd=cwd,
+        preexec_fn=limit if max_file_bytes is not None else None,
+    )
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
@@ -77,20 +108,14 @@ def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(corpus: Path, run_dir: Path, overrides: list[str]) -> Any:
-    """An in-process, single-process Trainer on the tiny corpus (no process group)."""
-    from ddptrain.checkpoint import Checkpointer
+    """An in-process, single-process Trainer on the tiny corpus (no process group), built as `ddptrain train` does."""
     from ddptrain.config import load_config
-    from ddptrain.data import build_datasets
     from ddptrain.dist import DistContext
-    from ddptrain.metrics import MetricsWriter, Progress
-    from ddptrain.models import build_model
-    from ddptrain.rng import seed_everything
-    from ddptrain.trainer import Trainer
+    from ddptrain.run import build_run
 
     cfg = load_config(None, [*TINY, f"data.dir={corpus}", f"run.dir={run_dir}", *overrides])
-    ctx = DistContext()
-    seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg)
-    model = build_model(cfg.model)
-    return Trainer(cfg, ctx, model, train_set, val_set, Checkpointer(cfg.ckpt, run_dir, ctx, {}),
-                   MetricsWriter(run_dir, False), Progress(False, cfg.train.max_steps, 0))
+    run = build_run(cfg, DistContext())
+    run.triage.close()  # the step tests drive train_step() directly: no watchdog
+    if run.lease is not None:
+        run.lease.release()  # in-process tests build several trainers on one folder, one after another
+    return run.trainer

@@ -51,3 +51,23 @@ def build_slow_model(dim: int = 8, slow_rank: int = 1, sleep_s: float = 0.05) ->
 
 def build_failing_model(dim: int = 8, fail_rank: int = 0, fail_after: int = 3) -> nn.Module:
     return FailsOnOneRank(dim, fail_rank, fail_after)
+
+
+class BusyModel(nn.Module):
+    """Real compute (no sleeping), so that a SIGSTOP duty cycle on its process slows it in proportion."""
+
+    def __init__(self, dim: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, width)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def build_busy_model(dim: int = 8, width: int = 256, depth: int = 4) -> nn.Module:
+    return BusyModel(dim, width, depth)

@@ -6,10 +6,14 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HEAD:29500 --rdzv-id job1 -m ddptrain train -c cfg.yaml   # on each node
     ddptrain launch --nnodes 2 --rdzv-endpoint HEAD:29500 --node-addr ME -- train -c cfg.yaml  # on each node
-    ddptrain prepare [FILES/GLOBS...] --out data/mine
+    ddptrain prepare DOCS/ --out data/mine --tokenizer train:8192   # shards; bytes, tokenizer.json or a BPE
     ddptrain export runs/default --out model.safetensors
+    ddptrain export runs/default --format hf --out exports/mine       # loads in transformers
+    ddptrain eval runs/default [--step N] [data.dir=...]             # loss and perplexity of a checkpoint
     ddptrain report runs/default                     # plots + summary into runs/default/report/
     ddptrain doctor                                  # bring-up checks (alone, or as every rank under torchrun)
+    ddptrain triage runs/default                     # one verdict from the stacks a hang left in run.dir/stacks
+    ddptrain verify-resume runs/default --steps 10   # replay from a checkpoint, compare with what the run logged
     ddptrain generate runs/default --prompt "def "   # sample from the built-in GPT
     ddptrain slurm -c cfg.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 [--submit]   # sbatch script
     ddptrain k8s -c cfg.yaml --nodes 4 --image REGISTRY/ddptrain:TAG > job.yaml         # PyTorchJob
@@ -18,27 +22,38 @@
 from __future__ import annotations
 
 import argparse
-import json
+import errno
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
-from ddptrain.checkpoint import Checkpointer, checkpoint_name, load_file, newest_verified, verify_checkpoint
-from ddptrain.config import Config, DataConfig, describe_fields, load_config
-from ddptrain.data import build_datasets
-from ddptrain.data.corpus import corpus_ready, expand_sources, prepare_corpus, stdlib_sources
-from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
-from ddptrain.errors import CheckpointError, DataError, UserError
-from ddptrain.launch import add_parser as add_launch_parser
-from ddptrain.launch import launch
-from ddptrain.metrics import MetricsWriter, Progress
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from ddptrain import run
+from ddptrain.checkpoint import VerifiedCheckpoint
+from ddptrain.checkpoint.store import select_checkpoint
+from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
+from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, DataConfig, config_from_mapping, describe_fields
+from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
+from ddptrain.dist import close_distributed, init_distributed
+from ddptrain.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    ConfigError,
+    DataError,
+    DdptrainError,
+    LaunchError,
+)
+from ddptrain.launch.launcher import add_parser as add_launch_parser
+from ddptrain.launch.launcher import launch as run_launch
+from ddptrain.launch.launcher import node_counts, nproc_per_node
 from ddptrain.models import build_model
-from ddptrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
-from ddptrain.rng import seed_everything
-from ddptrain.runlog import rank_log
-from ddptrain.trainer import CheckpointSaveError, NonFiniteError, Trainer
-from ddptrain.triage import Triage
+from ddptrain.models.loss import extract_loss
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
@@ -48,150 +63,175 @@ DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
 def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
     """Train per the config on this process's share of the job; returns the exit code."""
-    cfg = load_config(config, list(overrides))
-    env = read_torchrun_env()
-    cfg.grad_accum_steps(env[1] if env else 1)  # fail on an indivisible batch before any rendezvous
+    result = run.train(config, overrides=overrides)
+    return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
+
+
+def prepare(sources: Sequence[str], out: str, val_fraction: float, options: PrepareOptions | None = None) -> int:
+    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes)."""
+    number_in("--val-fraction", val_fraction, 0.0, 0.5, low_open=True)
+    output_dir("--out", Path(out))
+    for source in sources:
+        text_arg("a source", source)
+    files = expand_sources(list(sources)) if sources else stdlib_sources()
+    info = prepare_corpus(files, Path(out), val_fraction, options)
+    print(
+        f"prepared {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
+        f"{info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens, vocab {info.vocab_size:,}, "
+        f"{info.shards} shards"
+    )
+    return 0
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[Config, torch.nn.Module]:
+    """The config a checkpoint was saved with (plus overrides) and its model, weights loaded, in eval mode."""
+    cfg = config_from_mapping(ckpt.manifest.config, list(overrides))
+    model = build_model(cfg.model)
+    model.load_state_dict(ckpt.load("model.pt"))
+    return cfg, model.eval()
+
+
+def export(run_dir: str, out: str, step: int | None = None, fmt: str = "safetensors") -> int:
+    """Write a checkpoint's model: plain safetensors (config beside it) or a transformers folder (--format hf)."""
+    existing_dir("run folder", Path(run_dir))
+    if step is not None:
+        number_in("--step", step, 0, 10**15)
+    if fmt == "hf":
+        from ddptrain.checkpoint.export_hf import export_hf
+
+        out_dir = output_dir("--out", Path(out))
+        ckpt = select_checkpoint(Path(run_dir), step, _warn)
+        cfg, model = _model_of(ckpt)
+        data_dir = Path(cfg.data.dir) if cfg.data.target is None else None
+        what = export_hf(model, cfg.model, data_dir, out_dir)
+        print(f"exported {ckpt.path.name} to {out}: {what}")
+        return 0
+    from ddptrain.checkpoint.export import export_model
+
+    out_path = creatable_file("--out", Path(out))
+    if out_path.suffix == ".json":
+        raise ConfigError(f"--out {out}: the model config goes to a .json beside the weights; use .safetensors")
+    path, count = export_model(Path(run_dir), out_path, step, _warn)
+    print(f"exported {path.name} ({count} tensors) to {out_path} and {out_path.with_suffix('.json')}")
+    return 0
+
+
+def evaluate(run_dir: str, step: int | None, split: str, batches: int, overrides: Sequence[str]) -> int:
+    """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
+    import math
+
+    from ddptrain.data.dataset import load_split
+    from ddptrain.train.evaluation import evaluate_loss
+    from ddptrain.train.precision import Precision
+
+    existing_dir("run folder", Path(run_dir))
+    if step is not None:
+        number_in("--step", step, 0, 10**15)
+    number_in("--batches", batches, 0, 10**12)
+    ckpt = select_checkpoint(Path(run_dir), step, _warn)
+    cfg, model = _model_of(ckpt, overrides)
+    if cfg.data.target is not None:
+        raise ConfigError("ddptrain eval reads a prepared corpus (data.dir); this run used data.target")
+    dataset = load_split(Path(cfg.data.dir), split, cfg.model.block_size)
     ctx = init_distributed(cfg.dist)
     try:
-        with rank_log(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
-            return _train(cfg, ctx)
+        model.to(ctx.device)
+        mb, world = cfg.data.micro_batch_size, ctx.world_size
+        # Whole batches on every rank, so the mean of batch means is the mean over samples.
+        n = len(dataset) // (mb * world) * mb * world
+        if batches:
+            n = min(n, batches * mb * world)
+        if n < 1:
+            raise DataError(f"split {split!r} has {len(dataset)} samples, fewer than {mb} x {world} ranks")
+        precision = Precision(cfg.train.precision, ctx.device)
+
+        def forward(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            with precision.autocast():
+                inputs, targets = (t.to(ctx.device) for t in batch)
+                return extract_loss(m(inputs, targets), "model")
+
+        loss = evaluate_loss(model, dataset, n, mb, ctx, forward)
+        if ctx.is_main:
+            print(
+                f"{ckpt.path.name} (step {ckpt.step}) on {cfg.data.dir} {split}: {n} samples, "
+                f"loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}"
+            )
+        return 0
     finally:
         close_distributed(ctx)
 
 
-def _train(cfg: Config, ctx: DistContext) -> int:
-    run_dir = cfg.run_dir
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    _ensure_default_corpus(cfg, ctx)
-    seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg)
-    model = build_model(cfg.model)  # same seed on every rank: identical init (DDP also broadcasts it)
-    seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
-    metrics = MetricsWriter(run_dir, ctx.is_main, cfg.log.tensorboard)
-    progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, cfg.model_dump(mode="json", by_alias=True))
-    trainer = Trainer(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
-    triage = Triage(ctx, run_dir, cfg.dist.timeout_s)
-    try:
-        found = checkpointer.find_resume(progress.message)
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if found:
-            path, manifest = found
-            trainer.resume(path, manifest)
-            progress.message(
-                f"resuming from {path} (step {trainer.step}; saved at world size {manifest['world_size']}, "
-                f"now {ctx.world_size}, grad accumulation {trainer.accum})"
-            )
-        progress.message(
-            f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
-            f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x {trainer.accum}, "
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, run dir {run_dir}"
-        )
-        progress.message(trainer.throughput.describe())
-        if trainer.step >= cfg.train.max_steps:
-            progress.message(f"nothing to do: already at step {trainer.step} (train.max_steps={cfg.train.max_steps})")
-        metrics.write("event", event="resume" if found else "start", step=trainer.step, world_size=ctx.world_size,
-                      grad_accum=trainer.accum, restart_count=restarts, host=ctx.hostname)
-        _fit(trainer, triage)
-        progress.close()
-        progress.message(f"done: {trainer.step} steps; checkpoints in {run_dir / 'checkpoints'}")
-        return 0
-    except Preempted as e:
-        progress.close()
-        progress.message(f"{e}: checkpoint committed; run the same command again to resume (exit {EXIT_PREEMPTED})")
-        metrics.write("event", event="preempted", step=trainer.step, signal=e.signal_name, world_size=ctx.world_size)
-        return EXIT_PREEMPTED
-    except (NonFiniteError, CheckpointSaveError) as e:
-        progress.close()
-        progress.message(f"error: {e}")
-        metrics.write("event", event="stopped", step=trainer.step, reason=str(e))
-        return 1
-    finally:
-        triage.close()
-        checkpointer.wait()
-        metrics.close()
-        progress.close()
-
-
-def _fit(trainer: Trainer, triage: Triage) -> None:
-    """trainer.fit() with SIGTERM/SIGUSR1 turned into a coordinated stop and failed steps triaged."""
-    stop = StopRequest().install()
-    try:
-        trainer.fit(stop_request=stop, watchdog=triage)
-    except (Preempted, NonFiniteError, CheckpointSaveError, UserError):
-        raise  # stops every rank agreed on: nothing to triage
-    except Exception as e:
-        raise triage.failed(e, trainer.step + 1) from e
-    finally:
-        stop.uninstall()
-
-
-def _ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
-    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait)."""
-    if cfg.data.target is not None or cfg.data.dir != DEFAULT_DATA_DIR:
-        return
-    data_dir = Path(cfg.data.dir)
-    error: str | None = None
-    if ctx.local_rank == 0 and not corpus_ready(data_dir):
-        if ctx.is_main:
-            print(f"preparing the default corpus (Python standard library sources) into {data_dir}", flush=True)
-        try:
-            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction)
-        except (DataError, OSError) as e:
-            error = str(e)
-    # Every rank learns whether preparation failed; nobody waits on a rank that gave up.
-    if any_rank(ctx, error is not None):
-        raise DataError(error or f"preparing the default corpus in {data_dir} failed on another rank")
-
-
-def prepare(sources: Sequence[str], out: str, val_fraction: float) -> int:
-    """Build a byte-level corpus from files/globs (default: the Python standard library)."""
-    files = expand_sources(list(sources)) if sources else stdlib_sources()
-    info = prepare_corpus(files, Path(out), val_fraction)
-    print(f"prepared {info.files} files into {info.out_dir}: {info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens")
-    return 0
-
-
-def export(run_dir: str, out: str, step: int | None = None) -> int:
-    """Write a checkpoint's plain model weights (safetensors) and the model config beside them."""
-    from safetensors.torch import save_file
-
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    if step is not None:
-        path = ckpt_dir / checkpoint_name(step)
-        if not path.is_dir():
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}")
-        manifest = verify_checkpoint(path)
-    else:
-        path, manifest = newest_verified(ckpt_dir, lambda text: print(text, file=sys.stderr))
-    state = load_file(path, "model.pt")
-    # safetensors stores no aliases: tied weights (wte / lm_head) become two plain copies.
-    tensors = {k: v.detach().clone().contiguous() for k, v in state.items()}
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    model_cfg = manifest["config"]["model"]
-    save_file(tensors, str(out_path), metadata={"ddptrain_step": str(manifest["step"]), "ddptrain_model": json.dumps(model_cfg)})
-    out_path.with_suffix(".json").write_text(json.dumps({"model": model_cfg, "step": manifest["step"], "checkpoint": path.name}, indent=2))
-    print(f"exported {path.name} ({len(tensors)} tensors) to {out_path} and {out_path.with_suffix('.json')}")
-    return 0
-
-
 def report(run_dir: str, out: str | None = None) -> int:
     """Plots and a text summary of a run (finished, running or crashed) into run_dir/report."""
-    from ddptrain.report import report as write_report  # matplotlib loads only for this command
+    from ddptrain.observe.report import report as write_report  # matplotlib loads only for this command
 
-    summary, files = write_report(Path(run_dir), Path(out) if out else None)
+    existing_dir("run folder", Path(run_dir))
+    summary, files = write_report(Path(run_dir), output_dir("--out", Path(out)) if out else None)
     print(summary)
     print(f"wrote {', '.join(str(f) for f in files)}")
     return 0
 
 
+def triage(run_dir: str) -> int:
+    """Print the verdict of the hang recorded in run_dir/stacks."""
+    from ddptrain.observe.verdict import verdict
+
+    print(verdict(Path(run_dir) / "stacks"))
+    return 0
+
+
+def verify_resume(run_dir: str, start: int | None, steps: int) -> int:
+    """Replay steps from a checkpoint and compare with the run's resume certificate; 1 when they differ."""
+    from ddptrain.verify_resume import verify_resume as replay_and_compare
+
+    return replay_and_compare(Path(run_dir), start, steps)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """This node's share of a job; the worker command is checked here first (with --dry-run too), so bad
+    input exits 2 in one line before any worker starts."""
+    check_worker_command(args.worker_command, args.nnodes, args.nproc_per_node)
+    return run_launch(args)
+
+
+def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> None:
+    """Parse the worker command as a worker will; for `train`, load its config and check the batch split."""
+    command = list(command)[1:] if list(command)[:1] == ["--"] else list(command)
+    if not command:
+        return  # the launcher says what is missing
+    worker = _parser(_RaisingParser).parse_args(command)
+    if worker.command == "launch":
+        raise LaunchError("the worker command cannot be launch itself; give the command each worker runs, e.g. train")
+    if worker.command != "train" or worker.help_config:
+        return
+    cfg = run.resolve_config(worker.config, worker.overrides)
+    low, high = node_counts(nnodes)
+    per_node = nproc_per_node(nproc)
+    if per_node is not None and low == high:
+        cfg.grad_accum_steps(low * per_node)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are ConfigErrors (one line, exit 2) instead of usage text and sys.exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"worker command: {message}")
+
+
 def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None) -> int:
     """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
-    from ddptrain.doctor import doctor as run_doctor
+    from ddptrain.observe.doctor import doctor as run_doctor
 
+    number_in("--timeout", timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
+    number_in("--max-mb", max_mb, 0, 2**16, low_open=True)
+    if endpoint is not None:
+        host, sep, port = endpoint.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
     return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint)
 
 
@@ -199,6 +239,12 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
     from ddptrain.generate import generate as sample
 
+    text_arg("--prompt", prompt, single_line=False)
+    number_in("--temperature", temperature, 0, 100, low_open=True)
+    number_in("--top-k", top_k, 0, 2**31)  # above the vocabulary means all tokens
+    number_in("--max-new-tokens", max_new_tokens, 0, 10**6)
+    number_in("--seed", seed, 0, MAX_SEED)
+    existing_dir("run folder", Path(run_dir))
     text, path = sample(Path(run_dir), prompt, max_new_tokens, temperature, top_k or None, seed)
     print(f"(sampled from {path})", file=sys.stderr)
     print(text)
@@ -207,18 +253,13 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
 
 def slurm(args: argparse.Namespace) -> int:
     """Write the sbatch script for a config (and submit it with --submit)."""
-    from ddptrain.jobspec import load_job_config
-    from ddptrain.slurm import SlurmJob, submit, write_script
+    from ddptrain.launch.jobspec import load_job_config
+    from ddptrain.launch.options import from_args
+    from ddptrain.launch.slurm import SlurmJob, submit, write_script
 
     cfg = load_job_config(args.config, args.overrides)
-    job = SlurmJob(
-        nodes=args.nodes, nproc_per_node=args.nproc_per_node, cpus_per_node=args.cpus_per_node,
-        gpus_per_node=args.gpus_per_node, mem=args.mem, time=args.time, partition=args.partition,
-        account=args.account, job_name=args.job_name, signal_s=args.signal_seconds, max_requeues=args.max_requeues,
-        max_restarts=args.max_restarts, rdzv_port=args.rdzv_port, step_s=args.step_seconds,
-        save_s=args.save_seconds, python=args.python, extra_sbatch=tuple(args.sbatch_arg),
-    )
-    script = write_script(cfg, job, Path(args.out) if args.out else None)
+    out = output_file("--out", Path(args.out)) if args.out else None
+    script = write_script(cfg, from_args(SlurmJob, args), out)
     print(f"wrote {script}")
     if args.submit:
         print(f"submitted job {submit(script)}")
@@ -227,18 +268,14 @@ def slurm(args: argparse.Namespace) -> int:
 
 def k8s(args: argparse.Namespace) -> int:
     """Print (or write) the PyTorchJob manifest for a config."""
-    from ddptrain.jobspec import load_job_config
-    from ddptrain.k8s import K8sJob, render_manifest
+    from ddptrain.launch.jobspec import load_job_config
+    from ddptrain.launch.k8s import K8sJob, render_manifest
+    from ddptrain.launch.options import from_args
 
     cfg = load_job_config(args.config, args.overrides)
-    job = K8sJob(
-        image=args.image, name=args.name, namespace=args.namespace, nodes=args.nodes, min_nodes=args.min_nodes,
-        nproc_per_node=args.nproc_per_node, cpu=args.cpu, memory=args.memory, gpus_per_node=args.gpus_per_node,
-        pvc=args.pvc, shared_mount=args.shared_mount, config_mount=args.config_mount,
-        max_restarts=args.max_restarts, rdzv_port=args.rdzv_port, step_s=args.step_seconds,
-        save_s=args.save_seconds, grace_s=args.grace_seconds,
-    )
-    text = render_manifest(cfg, job)
+    if args.out:
+        output_file("--out", Path(args.out))
+    text = render_manifest(cfg, from_args(K8sJob, args))
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
@@ -250,8 +287,8 @@ def k8s(args: argparse.Namespace) -> int:
 # ---- argument parsing -------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
+def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train (one process, or one rank under torchrun)")
@@ -259,15 +296,52 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
 
-    pr = sub.add_parser("prepare", help="prepare a byte-level token corpus from text files")
-    pr.add_argument("sources", nargs="*", help="files, folders or globs (default: the Python standard library's sources)")
+    pr = sub.add_parser("prepare", help="tokenize text files or JSON Lines into token shards")
+    pr.add_argument(
+        "sources", nargs="*", help="files, folders or globs (default: the Python standard library's sources)"
+    )
     pr.add_argument("--out", default=DEFAULT_DATA_DIR, help=f"output folder (default {DEFAULT_DATA_DIR})")
     pr.add_argument("--val-fraction", type=float, default=DataConfig.model_fields["val_fraction"].default)
+    pr.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default), a tokenizer.json (or its folder), or train:VOCAB to train a byte-level BPE",
+    )
+    pr.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl files (default text)")
+    pr.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    pr.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=PrepareOptions.shard_tokens,
+        help=f"tokens per shard file (default {PrepareOptions.shard_tokens:,})",
+    )
 
-    e = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
+    e = sub.add_parser("export", help="export a checkpoint's model: safetensors, or a transformers folder")
     e.add_argument("run_dir")
-    e.add_argument("--out", required=True, help="output .safetensors file (the model config goes beside it as .json)")
+    e.add_argument(
+        "--out",
+        required=True,
+        help="output .safetensors file (config beside it as .json), or a folder with --format hf",
+    )
     e.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+    e.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer",
+    )
+
+    ev = sub.add_parser("eval", help="mean loss and perplexity of a checkpoint on the validation split")
+    ev.add_argument("run_dir")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. data.dir=data/other")
+    ev.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+    ev.add_argument("--split", default="val", help="split of the prepared corpus (default val)")
+    ev.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="micro-batches per rank (default 0: the whole split); train.eval_batches matches training",
+    )
 
     add_launch_parser(sub)
 
@@ -281,56 +355,43 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce message in MiB (default 64)")
     d.add_argument("--endpoint", help="also check that this rendezvous HOST:PORT accepts connections from here")
 
+    tr = sub.add_parser("triage", help="one verdict from the stacks a hang left in RUN_DIR/stacks")
+    tr.add_argument("run_dir")
+
+    v = sub.add_parser("verify-resume", help="replay steps from a checkpoint and compare with what the run logged")
+    v.add_argument("run_dir")
+    v.add_argument(
+        "--from", dest="start", type=int, help="checkpoint step (default: the newest with logged steps after it)"
+    )
+    v.add_argument("--steps", type=int, default=10, help="steps to replay (default 10)")
+
     g = sub.add_parser("generate", help="sample text from the built-in GPT of a run's newest good checkpoint")
     g.add_argument("run_dir")
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample (default 200)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest bytes; 0 for all")
+    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 for all")
     g.add_argument("--seed", type=int, default=0)
     _add_cluster_parsers(sub)
     return p
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ddptrain.launch.k8s import K8sJob
+    from ddptrain.launch.options import add_options
+    from ddptrain.launch.slurm import SlurmJob
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-c", "--config", help="YAML config file (frozen into the job definition)")
     common.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
-    common.add_argument("--nodes", type=int, default=1, help="nodes (one `ddptrain launch` each)")
-    common.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU only)")
-    common.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts per launch (torchrun)")
-    common.add_argument("--step-seconds", type=float, default=30.0, help="longest optimizer step, for the stop window")
-    common.add_argument("--save-seconds", type=float, default=60.0, help="time to commit one checkpoint, for the stop window")
 
     s = sub.add_parser("slurm", parents=[common], help="write (and --submit) an sbatch script for a config")
-    s.add_argument("--nproc-per-node", default="auto", help="ranks per node (default: --gpus-per-node, else launch's auto)")
-    s.add_argument("--cpus-per-node", type=int, help="CPUs for each node's launcher and its ranks")
-    s.add_argument("--mem", help="memory per node, e.g. 64G")
-    s.add_argument("--time", help="time limit, e.g. 24:00:00")
-    s.add_argument("--partition", help="SLURM partition")
-    s.add_argument("--account", help="SLURM account")
-    s.add_argument("--job-name", help="job name (default ddptrain-<run.name>)")
-    s.add_argument("--signal-seconds", type=int, default=180, help="USR1 this long before the time limit")
-    s.add_argument("--max-requeues", type=int, default=3, help="requeues after crashes (preemptions are not counted)")
-    s.add_argument("--rdzv-port", type=int, default=29500, help="rendezvous port on the first node")
-    s.add_argument("--python", default=sys.executable, help="interpreter on the nodes (default: this one)")
-    s.add_argument("--sbatch-arg", action="append", default=[], help="extra #SBATCH directive, e.g. --qos=high")
-    s.add_argument("--out", help="script path (default run.dir/slurm/job.sbatch)")
+    add_options(s, SlurmJob)
+    s.add_argument("--out", help="script path (default run.dir/slurm/<submission>/job.sbatch)")
     s.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
 
     k = sub.add_parser("k8s", parents=[common], help="write a Kubeflow PyTorchJob manifest for a config")
-    k.add_argument("--image", required=True, help="container image with ddptrain installed")
-    k.add_argument("--name", help="job name (default ddptrain-<run.name>)")
-    k.add_argument("--namespace", help="Kubernetes namespace")
-    k.add_argument("--min-nodes", type=int, help="elastic minimum (default --nodes: not elastic)")
-    k.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod")
-    k.add_argument("--cpu", default="4", help="CPU request and limit per pod")
-    k.add_argument("--memory", default="16Gi", help="memory request and limit per pod")
-    k.add_argument("--pvc", help="ReadWriteMany PVC holding run.dir (default <name>-runs)")
-    k.add_argument("--shared-mount", default="/shared", help="mount path of the PVC; the working directory")
-    k.add_argument("--config-mount", default="/etc/ddptrain", help="mount path of the config ConfigMap")
-    k.add_argument("--rdzv-port", type=int, default=29400, help="rendezvous port on the master pod")
-    k.add_argument("--grace-seconds", type=int, help="terminationGracePeriodSeconds (default: the stop budget)")
+    add_options(k, K8sJob)
     k.add_argument("--out", help="manifest file (default: standard output)")
 
 
@@ -341,15 +402,26 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 0
         return train(args.config, args.overrides)
     if args.command == "prepare":
-        return prepare(args.sources, args.out, args.val_fraction)
+        if args.shard_tokens < 1 or args.workers < 0:
+            raise ConfigError("--shard-tokens must be >= 1 and --workers >= 0")
+        options = PrepareOptions(
+            tokenizer=args.tokenizer, jsonl_field=args.jsonl_field, workers=args.workers, shard_tokens=args.shard_tokens
+        )
+        return prepare(args.sources, args.out, args.val_fraction, options)
     if args.command == "export":
-        return export(args.run_dir, args.out, args.step)
+        return export(args.run_dir, args.out, args.step, args.format)
+    if args.command == "eval":
+        return evaluate(args.run_dir, args.step, args.split, args.batches, args.overrides)
     if args.command == "launch":
         return launch(args)
     if args.command == "report":
         return report(args.run_dir, args.out)
     if args.command == "doctor":
         return doctor(args.backend, args.timeout, args.max_mb, args.endpoint)
+    if args.command == "triage":
+        return triage(args.run_dir)
+    if args.command == "verify-resume":
+        return verify_resume(args.run_dir, args.start, args.steps)
     if args.command == "generate":
         return generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     if args.command == "slurm":
@@ -364,10 +436,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except UserError as e:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}ddptrain {args.command}: error: {e}", file=sys.stderr, flush=True)
+    except DdptrainError as e:
+        if not e.announced:
+            _error_line(args.command, str(e))
+        if e.exit_code == EXIT_FAILURE and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            # What torch's record() would write for an uncaught exception: the launcher names the cause.
+            ErrorHandler().record_exception(e)
         return e.exit_code
+    except OSError as e:
+        if e.errno not in USER_ERRNOS:
+            raise
+        # A path the user gave or the disk they run on: unreadable, read-only, full, missing.
+        _error_line(args.command, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        _error_line(args.command, "interrupted (Ctrl-C)")
+        return EXIT_INTERRUPTED
+
+
+# OS errors caused by the user's paths, permissions or disk, not by ddptrain: exit 2 in one line.
+USER_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.EFBIG,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+        errno.ENOTEMPTY,
+    }
+)
+
+
+def _error_line(command: str, text: str) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+    try:
+        print(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr itself is gone: the exit code still tells

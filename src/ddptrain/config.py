@@ -7,93 +7,327 @@ errors (a typo must never be silently ignored), and every user mistake surfaces 
 
 from __future__ import annotations
 
+import copy
+import io
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddptrain.errors import ConfigError
 
+# Bounds that keep values meaningful: timedelta overflows past ~1e9 days, NumPy seeds are 32-bit,
+# and a timeout of more than a week is a typo, not a plan.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SEED = 2**32 - 1
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # strict: no silent coercion (`train.max_steps=true` is not 1, "3" is not 3); ints still
+    # count as floats. allow_inf_nan=False: a NaN or infinite lr/timeout can never train.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, strict=True, allow_inf_nan=False
+    )
 
 
 class RunConfig(_Section):
     name: str = Field("default", description="Run name; the default output folder is runs/<name>.")
-    dir: str | None = Field(None, description="Output folder for config, metrics, logs and checkpoints (default runs/<name>).")
-    seed: int = Field(1337, description="Seed for model init, data order and every RNG; each rank derives its own from it.")
+    dir: str | None = Field(
+        None, description="Output folder for config, metrics, logs and checkpoints (default runs/<name>)."
+    )
+    seed: int = Field(
+        1337,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed for model init, data order and every RNG; each rank derives its own from it.",
+    )
+
+
+class HFModelConfig(_Section):
+    config: str | dict[str, Any] | None = Field(
+        None,
+        description="A local folder holding config.json, or an inline mapping of config fields including model_type (e.g. llama).",
+    )
+    pretrained: str | None = Field(
+        None, description="A local folder written by save_pretrained: build the model from it and load its weights."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelConfig:
+        if (self.config is None) == (self.pretrained is None):
+            raise ValueError("model.hf needs exactly one of config (folder or mapping) and pretrained (folder)")
+        if isinstance(self.config, dict) and not isinstance(self.config.get("model_type"), str):
+            raise ValueError("model.hf.config as a mapping needs model_type (e.g. llama, gpt2, gpt_neox)")
+        return self
 
 
 class ModelConfig(_Section):
-    target: str | None = Field(None, description="'pkg.module:factory' building your own nn.Module; None uses the built-in GPT.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model factory given by target.")
+    hf: HFModelConfig | None = Field(
+        None,
+        description="A Hugging Face transformers causal LM (needs the hf extra); None uses target or the built-in GPT.",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from these weights (a run or checkpoint folder, an exported .safetensors, an HF folder): fresh optimizer, step 0. A run folder's own checkpoints win.",
+    )
+    target: str | None = Field(
+        None, description="'pkg.module:factory' building your own nn.Module; None uses the built-in GPT."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the model factory given by target."
+    )
     n_layer: int = Field(4, ge=1, description="Built-in GPT: transformer blocks.")
     n_head: int = Field(4, ge=1, description="Built-in GPT: attention heads per block.")
     n_embd: int = Field(128, ge=8, description="Built-in GPT: embedding width; must divide by n_head.")
-    block_size: int = Field(128, ge=2, description="Built-in GPT: context length in tokens (bytes for the default corpus).")
-    vocab_size: int = Field(256, ge=2, description="Built-in GPT: vocabulary size; 256 for the byte-level corpus.")
+    block_size: int = Field(
+        128,
+        ge=2,
+        description="Context length in tokens (bytes for the default corpus); also the sample length for model.hf and data.dir.",
+    )
+    vocab_size: int = Field(
+        256, ge=2, description="Built-in GPT: vocabulary size; when not set, the prepared data's (256 for bytes)."
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Built-in GPT: dropout probability.")
     bias: bool = Field(False, description="Built-in GPT: biases in Linear and LayerNorm layers.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
+        if self.target is not None and self.hf is not None:
+            raise ValueError("set model.target or model.hf, not both")
         if self.target is None and self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         return self
 
 
 class DataConfig(_Section):
-    target: str | None = Field(None, description="'pkg.module:factory' returning (train_dataset, val_dataset); None uses the token corpus in data.dir.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the dataset factory given by target.")
+    target: str | None = Field(
+        None,
+        description="'pkg.module:factory' returning (train_dataset, val_dataset); None uses the token corpus in data.dir.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the dataset factory given by target."
+    )
     dir: str = Field("data/stdlib", description="Folder holding the prepared corpus (train.bin, val.bin, meta.json).")
     micro_batch_size: int = Field(16, ge=1, description="Samples per rank per forward pass.")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank (0 loads in the training process).")
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of the corpus held out for validation by `ddptrain prepare`.")
+    num_workers: int = Field(
+        0, ge=0, description="DataLoader worker processes per rank (0 loads in the training process)."
+    )
+    val_fraction: float = Field(
+        0.05, gt=0.0, lt=0.5, description="Share of the corpus held out for validation by `ddptrain prepare`."
+    )
 
 
 class TrainConfig(_Section):
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
-    global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step across all ranks; accumulation = global / (micro x world).")
+    global_batch_size: int = Field(
+        32, ge=1, description="Samples per optimizer step across all ranks; accumulation = global / (micro x world)."
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype; fp16 adds a GradScaler.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps before cosine decay.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (applied to matrices only).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (of every optimizer; the schedule scales it).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Where the decay of schedule.name ends, as a fraction of lr."
+    )
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps before the schedule's shape (schedule.name).")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay (applied to matrices only).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (and at the end); 0 disables.")
     eval_batches: int = Field(8, ge=1, description="Micro-batches per rank per evaluation.")
-    on_nonfinite: Literal["skip", "stop"] = Field("skip", description="When the (all-reduced) gradient is NaN/inf: skip the step on every rank, or stop.")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip",
+        description="When the (all-reduced) gradient is NaN/inf: skip the step on every rank (decided on the device), or stop every rank at the next logged step.",
+    )
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_list(cls, value: Any) -> Any:
+        # YAML has no tuples: a two-item list is the natural spelling (strict mode wants a tuple).
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each AdamW beta must be in [0, 1), got {list(value)}")
+        return value
+
+
+class OptimConfig(_Section):
+    target: str | None = Field(
+        None,
+        description="'pkg.module:factory' called as factory(param_groups, **kwargs) and returning a torch Optimizer; None uses AdamW (fused on CUDA and CPU) with train.lr, train.betas, train.weight_decay.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the optimizer factory given by target (each parameter group already carries lr and weight_decay).",
+    )
+
+
+class ScheduleConfig(_Section):
+    name: Literal["cosine", "wsd", "linear", "constant"] = Field(
+        "cosine",
+        description="Learning-rate shape after train.warmup_steps of linear warm-up: cosine or linear decay to train.min_lr_ratio at max_steps, wsd (stable at lr, then a linear decay over the last decay_fraction of the run), or constant.",
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: share of train.max_steps spent in the final decay."
+    )
+    target: str | None = Field(
+        None,
+        description="'pkg.module:factory' called as factory(optimizer, max_steps=..., **kwargs) and returning a torch LRScheduler stepped once per optimizer step; overrides name.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the schedule factory given by target."
+    )
 
 
 class DistConfig(_Section):
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="Process-group backend; auto picks NCCL when CUDA is available, else gloo.")
-    timeout_s: float = Field(600.0, gt=0, description="Collective timeout: a rank waiting longer fails instead of hanging.")
-    startup_timeout_s: float = Field(900.0, gt=0, description="Timeout for the first collectives while all ranks start up.")
-    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size; smaller buckets start all-reduce earlier in backward.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; auto picks NCCL when CUDA is available, else gloo."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, le=MAX_TIMEOUT_S, description="Collective timeout: a rank waiting longer fails instead of hanging."
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, le=MAX_TIMEOUT_S, description="Timeout for the first collectives while all ranks start up."
+    )
+    watchdog: bool = Field(
+        True,
+        description="Hang watchdog: fail a rank whose step makes no progress for watchdog_k x p99 step time + watchdog_margin_s (stacks go to run.dir/stacks).",
+    )
+    watchdog_k: float = Field(
+        3.0, gt=1.0, le=1e6, description="Hang watchdog: the step budget in multiples of the observed p99 step time."
+    )
+    watchdog_margin_s: float = Field(
+        30.0,
+        ge=0.0,
+        le=MAX_TIMEOUT_S,
+        description="Hang watchdog: seconds added to the step budget (and to ckpt.timeout_s for saves).",
+    )
+    watchdog_warmup_steps: int = Field(
+        20,
+        ge=3,
+        description="Hang watchdog: steps timed before the budget is calibrated (until then dist.timeout_s applies).",
+    )
+    eval_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, description="Hang watchdog: budget of one evaluation.")
+    bucket_cap_mb: float = Field(
+        25.0,
+        gt=0,
+        le=2**20,
+        description="DDP gradient bucket size; smaller buckets start all-reduce earlier in backward.",
+    )
     static_graph: bool = Field(False, description="DDP static_graph: the set of used parameters never changes.")
-    gradient_as_bucket_view: bool = Field(True, description="DDP: gradients alias the all-reduce buckets (saves a copy and memory).")
-    find_unused_parameters: bool = Field(False, description="DDP: search for parameters without gradients each step (slower).")
+    gradient_as_bucket_view: bool = Field(
+        True, description="DDP: gradients alias the all-reduce buckets (saves a copy and memory)."
+    )
+    find_unused_parameters: bool = Field(
+        False, description="DDP: search for parameters without gradients each step (slower)."
+    )
 
 
 class CkptConfig(_Section):
-    every_steps: int = Field(100, ge=0, description="Save a checkpoint every N optimizer steps (and at the end); 0 only at the end.")
-    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted after a newer commit.")
-    resume: str = Field("auto", description="'auto' continues from the newest good checkpoint in run.dir, 'never' starts fresh, or a checkpoint path.")
-    on_error: Literal["stop", "continue"] = Field("stop", description="When a save fails on any rank: stop the run, or warn and keep training.")
-    async_save: bool = Field(False, alias="async", description="Write checkpoints in a background thread; the loop only waits for the copy off the device.")
-    timeout_s: float = Field(600.0, gt=0, description="How long ranks wait for each other's checkpoint writes before the save fails.")
+    every_steps: int = Field(
+        100, ge=0, description="Save a checkpoint every N optimizer steps (and at the end); 0 only at the end."
+    )
+    keep: int = Field(
+        3,
+        ge=1,
+        description="Committed checkpoints of this run's timeline to keep; older ones are deleted after a newer commit.",
+    )
+    resume: str = Field(
+        "auto",
+        description="'auto' continues from the newest good checkpoint in run.dir, 'never' starts fresh, or a checkpoint path.",
+    )
+    existing: Literal["refuse", "archive"] = Field(
+        "refuse",
+        description="A fresh start (resume=never, or a checkpoint from another folder) where checkpoints exist: refuse, or move them to checkpoints/archive/ first.",
+    )
+    on_error: Literal["stop", "continue"] = Field(
+        "stop",
+        description="When a save fails on any rank: stop the run, or warn, keep training and retry the final save at the end (exit 1 if it still fails).",
+    )
+    async_save: bool = Field(
+        False,
+        alias="async",
+        description="Write checkpoints in a background thread; the loop only waits for the copy off the device.",
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="How long ranks wait for each other's checkpoint writes before the save fails.",
+    )
 
 
 class LogConfig(_Section):
-    every_steps: int = Field(10, ge=1, description="Write a metrics.jsonl line (and a terminal line) every N steps.")
-    tensorboard: bool = Field(False, description="Also write TensorBoard event files to run.dir/tensorboard (needs the tensorboard extra).")
-    straggler_every: int = Field(50, ge=0, description="Gather per-rank step times every N steps to spot stragglers; 0 disables.")
-    straggler_factor: float = Field(1.5, gt=1.0, description="Warn when the slowest rank's step time exceeds the median by this factor.")
-    peak_tflops: float | None = Field(None, gt=0, description="Peak dense TFLOP/s per device for MFU, for devices not in the built-in table (None: use the table).")
+    every_steps: int = Field(
+        10,
+        ge=1,
+        description="Write a metrics.jsonl line (and a terminal line) every N steps; only these steps read values back from the device.",
+    )
+    tensorboard: bool = Field(
+        False, description="Same as listing tensorboard in log.trackers (kept for existing configs)."
+    )
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers fed besides metrics.jsonl (rank 0): any of tensorboard, mlflow, wandb; each needs its extra (pip install 'ddptrain[mlflow]').",
+    )
+    track_artifacts: list[Literal["report", "model"]] = Field(
+        default_factory=list,
+        description="At the end of a completed run, upload to the trackers: report (the `ddptrain report` PNGs and summary), model (the `ddptrain export` safetensors).",
+    )
+    tracker_run_name: str | None = Field(None, description="Run name shown in MLflow and W&B (None: run.name).")
+    tracker_buffer: int = Field(
+        5000,
+        ge=1,
+        description="Records queued per tracker while it is slow or down; beyond that the oldest are dropped (and counted), never waited for.",
+    )
+    tracker_flush_s: float = Field(
+        30.0,
+        ge=0,
+        description="At the end of a run, wait at most this long for the trackers to deliver what is queued.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store URI (None: MLFLOW_TRACKING_URI, else MLflow's default)."
+    )
+    mlflow_experiment: str | None = Field(
+        None,
+        description="MLflow experiment name, created when missing (None: MLFLOW_EXPERIMENT_NAME or MLFLOW_EXPERIMENT_ID, else 'Default').",
+    )
+    wandb_project: str | None = Field(None, description="W&B project (None: WANDB_PROJECT, else W&B's default).")
+    wandb_entity: str | None = Field(
+        None, description="W&B entity, a user or team (None: WANDB_ENTITY, else your default entity)."
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (None: WANDB_MODE, else online); offline writes run.dir/wandb for `wandb sync`."
+    )
+    straggler_every: int = Field(
+        10,
+        ge=0,
+        description="Gather per-rank step times every N steps to spot stragglers (keep it a multiple of log.every_steps on GPUs); 0 disables.",
+    )
+    straggler_factor: float = Field(
+        1.2,
+        gt=1.0,
+        description="Warn when a rank's compute time over the window exceeds the other ranks' median by this factor (two checks in a row).",
+    )
+    straggler_window: int = Field(30, ge=4, description="Steps the straggler comparison is taken over.")
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="Peak dense TFLOP/s per device for MFU, for devices not in the built-in table (None: use the table).",
+    )
+
+    @model_validator(mode="after")
+    def _artifacts_need_a_tracker(self) -> LogConfig:
+        if self.track_artifacts and not {"mlflow", "wandb"} & set(self.trackers):
+            raise ValueError(
+                "log.track_artifacts needs mlflow or wandb in log.trackers (there is nowhere to upload to)"
+            )
+        return self
 
 
 class Config(_Section):
@@ -101,6 +335,8 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -126,6 +362,53 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (the later one would silently replace the earlier)",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+# YAML 1.1 reads `3e-4` (no dot) as a string; every user means a number (strict mode would refuse
+# the string where pydantic's lax mode used to convert it).
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def load_yaml(text: str, name: str = "<value>") -> Any:
+    """Parse YAML safely, refusing duplicate keys; errors point at `name`, line and column."""
+    stream = io.StringIO(text)
+    stream.name = name  # what PyYAML's error marks show
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file's content; ConfigError (one line) when missing, unreadable or not UTF-8."""
+    if not path.exists():
+        raise ConfigError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.max_steps=100)")
@@ -134,7 +417,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be dotted, like train.max_steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -154,6 +437,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -161,10 +448,11 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{where}'")
         elif "input" in e and e["type"] not in ("value_error", "missing"):
-            lines.append(f"{where}: {e['msg']} (got {e['input']!r})")
+            got = repr(e["input"])
+            lines.append(f"{where}: {e['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})")
         else:
             lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
-    return "invalid config: " + "; ".join(lines)
+    return _one_line("invalid config: " + "; ".join(lines))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -172,18 +460,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        text = read_text_file(p, "config file")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = load_yaml(text, str(p))
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_one_line(str(e))}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    return config_from_mapping(data, overrides or [])
+
+
+def config_from_mapping(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
+    """Validate a mapping of sections (as YAML would give), after applying dotted overrides."""
+    merged = apply_overrides(copy.deepcopy(dict(data)), overrides or [])
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
 
@@ -192,7 +484,7 @@ def describe_fields() -> str:
     """Every config key with its type, default and description (for --help-config)."""
     out = []
     for section_name, field in Config.model_fields.items():
-        section = field.default_factory()  # type: ignore[misc]
+        section = field.default_factory()  # type: ignore[call-arg,misc]
         out.append(f"{section_name}:")
         for name, f in type(section).model_fields.items():
             key = f.alias or name

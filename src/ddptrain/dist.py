@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch's __all__
 
 from ddptrain.config import DistConfig
 from ddptrain.errors import LaunchError
@@ -35,6 +37,11 @@ class DistContext:
     # Training collectives run on this group with dist.timeout_s; the default group keeps the
     # longer start-up timeout. None when running as a single plain process.
     group: dist.ProcessGroup | None = None
+    # False when the caller initialised torch.distributed itself (the Python API under a user's
+    # own launcher): then closing the run leaves the default group alone.
+    owns_default_group: bool = True
+    # Every rank's hostname in rank order, gathered once when the context is created.
+    hosts: tuple[str, ...] = ()
 
     @property
     def is_distributed(self) -> bool:
@@ -68,6 +75,9 @@ def read_torchrun_env() -> tuple[int, int, int, int] | None:
         )
     rank, world, local_rank = _int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK")
     local_world = _int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else world
+    port = _int_env("MASTER_PORT")
+    if not 0 < port < 65536:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
     if world < 1:
         raise LaunchError(f"WORLD_SIZE={world} must be at least 1")
     if not 0 <= rank < world:
@@ -87,13 +97,17 @@ def resolve_backend(requested: str) -> str:
 
 
 def init_distributed(cfg: DistConfig) -> DistContext:
-    """Create the process group from the torchrun environment and bind this rank to its device."""
+    """Create the process group from the torchrun environment and bind this rank to its device.
+
+    Collectives: the process group's rendezvous, one new group, one all-gather of host names.
+    """
     env = read_torchrun_env()
     if env is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        return DistContext(device=device)
+        ctx = DistContext(device=device)
+        return replace(ctx, hosts=(ctx.hostname,))
     rank, world, local_rank, local_world = env
     backend = resolve_backend(cfg.backend)
     if torch.cuda.is_available():
@@ -106,12 +120,16 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    init_kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(
-        backend=backend, timeout=timedelta(seconds=cfg.startup_timeout_s), **init_kwargs
-    )
+    owns = not dist.is_initialized()
+    if owns:
+        init_kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        timeout = timedelta(seconds=cfg.startup_timeout_s)
+        store = _worker_store(rank, world, timeout)
+        if store is not None:
+            init_kwargs.update(store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, timeout=timeout, **init_kwargs)
     group = dist.new_group(timeout=timedelta(seconds=cfg.timeout_s), backend=backend)
-    return DistContext(
+    ctx = DistContext(
         rank=rank,
         world_size=world,
         local_rank=local_rank,
@@ -119,13 +137,63 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         device=device,
         backend=backend,
         group=group,
+        owns_default_group=owns,
     )
+    return replace(ctx, hosts=tuple(gather_hostnames(ctx)))
+
+
+# Set by `ddptrain launch`: the one address rank 0 binds its store to (loopback on one node, the
+# node's --node-addr otherwise). torch's TCPStore server listens on every interface by itself.
+BIND_ADDR_ENV = "DDPTRAIN_BIND_ADDR"
+
+
+def listening_store(addr: str, port: int, timeout: timedelta, world_size: int | None = None) -> TCPStore:
+    """A TCPStore server listening on addr only (port 0: a free one), not on every interface."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+        # The store takes the socket over (libuv backend) and closes it with the store.
+        return TCPStore(
+            addr,
+            bound_port,
+            world_size,
+            True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _worker_store(rank: int, world: int, timeout: timedelta) -> TCPStore | None:
+    """With BIND_ADDR_ENV set: rank 0 serves the job's store on that address only, the others connect."""
+    bind = os.environ.get(BIND_ADDR_ENV)
+    if not bind:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        try:
+            return listening_store(bind, port, timeout, world)
+        except OSError as e:
+            raise LaunchError(f"cannot serve the job's store on {bind}:{port}: {e.strerror or e}") from None
+    return TCPStore(host, port, world, False, timeout=timeout)
 
 
 def close_distributed(ctx: DistContext) -> None:
-    """Destroy the process group (all groups) if one was created."""
-    if ctx.is_distributed and dist.is_initialized():
+    """Destroy the process groups this run created (all of them when it created the default one)."""
+    if not (ctx.is_distributed and dist.is_initialized()):
+        return
+    if ctx.owns_default_group:
         dist.destroy_process_group()
+    elif ctx.group is not None:
+        dist.destroy_process_group(ctx.group)
 
 
 def all_reduce_mean(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
@@ -154,6 +222,29 @@ def any_rank(ctx: DistContext, flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     return bool(t.item() > 0)
+
+
+def gather_hostnames(ctx: DistContext) -> list[str]:
+    """Every rank's hostname in rank order (one collective, called once by the run's set-up)."""
+    return [str(h) for h in all_gather_object(ctx, ctx.hostname)]
+
+
+def all_gather_object(ctx: DistContext, value: Any) -> list[Any]:
+    """Every rank's picklable value, in rank order ([value] for one process)."""
+    if not ctx.is_distributed:
+        return [value]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value, group=ctx.group)
+    return out
+
+
+def broadcast_object(ctx: DistContext, value: Any, src: int = 0) -> Any:
+    """Rank src's value on every rank (identity for one process)."""
+    if not ctx.is_distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=ctx.group)
+    return box[0]
 
 
 def barrier(ctx: DistContext) -> None:

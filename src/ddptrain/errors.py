@@ -1,10 +1,32 @@
-"""User-facing errors: the CLI turns each into exit code 2 and one line, never a traceback."""
+"""One error taxonomy: every error ddptrain raises on purpose carries the exit code it means.
+
+    DdptrainError            1   a failure (the base; RankFailure and TrainingStopped are failures)
+      UserError              2   bad input: config, environment, data, checkpoints, paths (one line)
+      Preempted             75   stopped on request after committing a checkpoint (EX_TEMPFAIL)
+      Interrupted          130   Ctrl-C
+The CLI maps exceptions to exit codes in one place (`cli.main`) by reading `exit_code`.
+"""
+
+from __future__ import annotations
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "stopped early, resumable"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
-class UserError(Exception):
+class DdptrainError(Exception):
+    """Base of every error ddptrain raises deliberately; `exit_code` is what the command exits with."""
+
+    exit_code = EXIT_FAILURE
+    # True when the run already printed the error (rank 0's progress line): the CLI adds nothing.
+    announced = False
+
+
+class UserError(DdptrainError):
     """Bad input from the user (config, environment, data, checkpoints): exit code 2."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class ConfigError(UserError):
@@ -21,3 +43,43 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """The launch environment (torchrun variables, devices) is inconsistent."""
+
+
+class TrainingStopped(DdptrainError):
+    """Every rank stopped together at an agreed step because training cannot go on (exit 1)."""
+
+    announced = True
+
+
+class NonFiniteError(TrainingStopped):
+    """Raised on every rank at once when train.on_nonfinite=stop and the gradient is NaN/inf."""
+
+
+class CheckpointSaveError(TrainingStopped):
+    """Raised on every rank at once when a save failed and ckpt.on_error=stop."""
+
+
+class RankFailure(DdptrainError):
+    """A failed step, with the triage summary as its message (the original is the __cause__)."""
+
+
+class Preempted(DdptrainError):
+    """Raised on every rank at the same step after the preemption checkpoint is committed."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, step: int, signal_name: str | None) -> None:
+        super().__init__(f"stopped at step {step} on request ({signal_name or 'a signal on another rank'})")
+        self.step = step
+        self.signal_name = signal_name
+
+
+class Interrupted(DdptrainError):
+    """Ctrl-C (SIGINT): raised on every rank at the same step after its checkpoint is committed; exit 130."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, step: int, signal_name: str | None) -> None:
+        super().__init__(f"interrupted at step {step} ({signal_name or 'Ctrl-C on another rank'})")
+        self.step = step
+        self.signal_name = signal_name

@@ -1,4 +1,8 @@
-"""`ddptrain generate RUN_DIR --prompt TEXT`: sample from the built-in GPT of a run's newest good checkpoint."""
+"""`ddptrain generate RUN_DIR --prompt TEXT`: sample from the built-in GPT of a run's newest good checkpoint.
+
+The prompt is encoded and the output decoded with the tokenizer of the data the run trained on
+(raw bytes, or the `tokenizer.json` recorded in its meta.json).
+"""
 
 from __future__ import annotations
 
@@ -7,34 +11,50 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.checkpoint import load_file, newest_verified
-from ddptrain.config import ModelConfig
-from ddptrain.errors import ConfigError
+from ddptrain.checkpoint import newest_verified
+from ddptrain.config import Config, ModelConfig
+from ddptrain.data.corpus import read_meta
+from ddptrain.data.tokenizer import Tokenizer, load_tokenizer_file
+from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
 
 
 def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, Path, int]:
     """The built-in GPT of the newest verified checkpoint: (model in eval mode, checkpoint, step)."""
-    path, manifest = newest_verified(run_dir / "checkpoints", lambda text: print(text, file=sys.stderr))
-    model_cfg = ModelConfig.model_validate(manifest["config"]["model"])
-    if model_cfg.target is not None:
-        raise ConfigError(f"{path.name} holds a user model ({model_cfg.target}); generate works with the built-in GPT only")
-    if model_cfg.vocab_size != 256:
-        raise ConfigError(f"generate decodes bytes, but this GPT has vocab_size={model_cfg.vocab_size}, not 256")
+    ckpt = newest_verified(run_dir / "checkpoints", lambda text: print(text, file=sys.stderr))
+    path = ckpt.path
+    model_cfg = ModelConfig.model_validate(ckpt.manifest.config["model"])
+    if model_cfg.target is not None or model_cfg.hf is not None:
+        raise ConfigError(f"{path.name} holds a user or transformers model; generate works with the built-in GPT only")
     model = GPT(model_cfg)
-    model.load_state_dict(load_file(path, "model.pt"))
-    return model.to(device).eval(), path, int(manifest["step"])
+    model.load_state_dict(ckpt.load("model.pt"))
+    return model.to(device).eval(), path, ckpt.step
 
 
-def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
-             seed: int) -> tuple[str, Path]:
-    """(prompt + max_new_tokens sampled bytes decoded as UTF-8 with invalid bytes replaced, checkpoint used)."""
+def data_tokenizer(run_dir: Path) -> Tokenizer:
+    """The tokenizer of the data a run trained on (bytes when its corpus is gone or was byte-level)."""
+    cfg = Config.model_validate(__import__("yaml").safe_load((run_dir / "config.yaml").read_text()))
+    data_dir = Path(cfg.data.dir)
+    try:
+        meta = read_meta(data_dir)
+    except DataError:
+        return Tokenizer(None, 256, None)
+    if not meta["tokenizer"]["file"]:
+        return Tokenizer(None, 256, None)
+    return load_tokenizer_file(data_dir / meta["tokenizer"]["file"])
+
+
+def generate(
+    run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+) -> tuple[str, Path]:
+    """(prompt + max_new_tokens sampled tokens decoded with the data's tokenizer, checkpoint used)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, path, _ = load_gpt(run_dir, device)
-    prompt_bytes = prompt.encode("utf-8")
-    if not prompt_bytes:
-        prompt_bytes = b"\n"  # the model needs at least one token to condition on
+    tokenizer = data_tokenizer(run_dir)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"the data's tokenizer has {tokenizer.vocab_size} tokens, the model {model.cfg.vocab_size}")
+    ids = tokenizer.encode(prompt) or tokenizer.encode("\n")  # the model needs one token to condition on
     torch.manual_seed(seed)
-    idx = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=device)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace"), path
+    return tokenizer.decode(out[0].tolist()), path

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ddptrain.errors import ConfigError
 
@@ -20,4 +21,5 @@ def import_target(target: str, key: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{key}={target!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    factory: Callable[..., Any] = fn
+    return factory

@@ -70,8 +70,19 @@ class Node:
         """Start a process in the namespace under this node's own hostname; output goes to `log`."""
         out = open(log, "ab")
         self._logs.append(out)
-        cmd = ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c",
-               f'hostname {self.hostname} && exec "$@"', "sh", *argv]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname {self.hostname} && exec "$@"',
+            "sh",
+            *argv,
+        ]
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -106,7 +117,9 @@ class Node:
 
     def rate_limit(self, rate: str) -> None:
         """Limit this node's outgoing traffic with a token bucket (tc tbf)."""
-        self.exec("tc", "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms")
+        self.exec(
+            "tc", "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"
+        )
 
     def close(self) -> None:
         """Kill everything in the namespace and remove it (its veth goes with it)."""

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
 from netns import Node
 
 REQUEUE_DELAY_S = 11  # seconds a requeued job waits before it is eligible again (see cred_expire)
@@ -128,11 +127,24 @@ class SlurmCluster:
         mounts that slurmd checks at start-up even with proctrack/linuxproc. The host's close()
         kills whatever runs in its namespace."""
         log = open(self.logs / f"{argv[0]}-{host.hostname}.out", "ab")
-        self._daemons.append(subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{host.ns}", "unshare", "--uts", "sh", "-c",
-             f'hostname {host.hostname} && exec "$@"', "sh", *argv],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        ))
+        self._daemons.append(
+            subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{host.ns}",
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f'hostname {host.hostname} && exec "$@"',
+                    "sh",
+                    *argv,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         log.close()
 
     def _logs(self) -> str:
@@ -152,10 +164,21 @@ class SlurmCluster:
         os.chmod(private / "munge.key", 0o600)
         self.munge_socket = run_dir / "munge.socket"
         proc = subprocess.run(
-            ["runuser", "-u", "munge", "--", "munged", f"--socket={self.munge_socket}",
-             f"--key-file={private / 'munge.key'}", f"--log-file={private / 'munged.log'}",
-             f"--pid-file={run_dir / 'munged.pid'}", f"--seed-file={private / 'munged.seed'}"],
-            capture_output=True, text=True, timeout=30,
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                f"--socket={self.munge_socket}",
+                f"--key-file={private / 'munge.key'}",
+                f"--log-file={private / 'munged.log'}",
+                f"--pid-file={run_dir / 'munged.pid'}",
+                f"--seed-file={private / 'munged.seed'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         if proc.returncode != 0:
             self.stop()
@@ -164,46 +187,54 @@ class SlurmCluster:
     def _slurm_conf(self) -> str:
         r = self.root
         cpus = max(1, (os.cpu_count() or 1) // len(self.nodes))
+        # Memory each slurmd offers (jobs ask for --mem): a small share, below what the machine has.
+        machine_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+        memory_mb = min(4096, machine_mb // (2 * len(self.nodes)))
         head, head_addr = self.nodes[0]
-        return "\n".join([
-            "ClusterName=ddptest",
-            f"SlurmctldHost={head}({head_addr})",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            # cred_expire (default 120 s) is also how long SLURM holds a requeued job back (BeginTime
-            # = now + cred_expire + 1), so that no slurmd still holds the revoked credential: 10 s here.
-            f"AuthInfo=socket={self.munge_socket},cred_expire={REQUEUE_DELAY_S - 1}",
-            f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool' / '%n'}",  # %n: the node name, one folder per slurmd
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.logs / 'slurmd-%n.log'}",
-            # No cgroups here (and none needed): track processes by parentage, bind nothing.
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "SchedulerType=sched/builtin",
-            # A requeued job becomes eligible when its hold ends, which no event announces: the
-            # periodic pass (default every 60 s) starts it. Once a second here.
-            "SchedulerParameters=sched_interval=1",
-            "JobRequeue=1",
-            "KillWait=15",
-            "MinJobAge=600",
-            # Namespace hosts share this machine's CPUs: each gets its share, trusted over the hardware.
-            *(["SlurmdParameters=config_overrides"] if self.hosts else []),
-            *(f"NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN" for name, addr in self.nodes),
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ])
+        return "\n".join(
+            [
+                "ClusterName=ddptest",
+                f"SlurmctldHost={head}({head_addr})",
+                f"SlurmctldPort={_free_port()}",
+                f"SlurmdPort={_free_port()}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/munge",
+                # cred_expire (default 120 s) is also how long SLURM holds a requeued job back (BeginTime
+                # = now + cred_expire + 1), so that no slurmd still holds the revoked credential: 10 s here.
+                f"AuthInfo=socket={self.munge_socket},cred_expire={REQUEUE_DELAY_S - 1}",
+                f"StateSaveLocation={r / 'state'}",
+                f"SlurmdSpoolDir={r / 'spool' / '%n'}",  # %n: the node name, one folder per slurmd
+                f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+                f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
+                f"SlurmdLogFile={self.logs / 'slurmd-%n.log'}",
+                # No cgroups here (and none needed): track processes by parentage, bind nothing.
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                "SchedulerType=sched/builtin",
+                # A requeued job becomes eligible when its hold ends, which no event announces: the
+                # periodic pass (default every 60 s) starts it. Once a second here.
+                "SchedulerParameters=sched_interval=1",
+                "JobRequeue=1",
+                "KillWait=15",
+                "MinJobAge=600",
+                # Namespace hosts share this machine's CPUs: each gets its share, trusted over the hardware.
+                *(["SlurmdParameters=config_overrides"] if self.hosts else []),
+                *(
+                    f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+                    for name, addr in self.nodes
+                ),
+                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
 
     def stop(self) -> None:
         """Cancel every job, then stop slurmd, slurmctld and munged by their pid files."""
@@ -229,8 +260,9 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def run(self, cmd: list[str], *, check: bool = True, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, cmd: list[str], *, check: bool = True, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """A SLURM client command against this cluster."""
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env))
         if check and proc.returncode != 0:
@@ -255,8 +287,9 @@ class SlurmCluster:
             if info.get("JobState") in states:
                 return info
             time.sleep(0.2)
-        raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {info}\n"
-                             f"{_tail(self.logs / 'slurmctld.log')}")
+        raise AssertionError(
+            f"job {job_id} not in {states} after {timeout} s: {info}\n{_tail(self.logs / 'slurmctld.log')}"
+        )
 
 
 def _stop_pid_file(pid_file: Path, timeout: float = 15) -> None:

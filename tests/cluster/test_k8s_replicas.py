@@ -1,15 +1,18 @@
 """The PyTorchJob's replicas, run as real processes: what the operator and kubelet would start.
 
-Each pod is one process started from the manifest alone, on its own network-namespace host
+Each pod is one process started from the manifest, on its own network-namespace host
 (tests/cluster/netns.py: own IP, own hostname) where namespaces can be made, else on loopback:
-its command after Kubernetes' `$(VAR)` expansion from the container's env, `status.podIP` from the
+its env is the manifest's own followed by exactly what the Kubeflow Training Operator v1.9.0
+appends to each replica (tests/kubeflow_operator.py; the later duplicate wins, as in the kubelet),
+its command after Kubernetes' `$(VAR)` expansion from that env, `status.podIP` from the
 downward API, the working directory on the "PVC" (a shared folder), the ConfigMap's config.yaml at
 its mount path, and the Master's Service name resolvable through a private /etc/hosts
 (bind-mounted in a mount namespace, as the kubelet manages /etc/hosts in a pod).
 
-Eviction (a node drain) is SIGTERM to each container's PID 1, here `ddptrain launch` itself: the
-pods must exit 75 within the manifest's grace period, and the same containers started again
-(restartPolicy OnFailure) must resume to the parameters of an uninterrupted run.
+Eviction (a node drain) is SIGTERM to one container's PID 1, here `ddptrain launch` itself: every
+pod must commit and exit with the preempted code within the manifest's grace period, the
+operator's rule for `restartPolicy: ExitCode` must say "recreate" for each, and the pods started
+again must resume to the parameters of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-
 from helpers import TINY, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+from kubeflow_operator import injected_env, pod_restarted, with_defaults
 from netns import Cluster, Node, unavailable_reason
 from slurm_harness import report
 
@@ -41,13 +44,17 @@ LOOPBACK = "127.0.0.1"
 
 def _expand(arg: str, env: dict[str, str]) -> str:
     """Kubernetes' rule for command/args: $(VAR) from the container env, $$ escapes, unknown stays."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        arg,
+    )
 
 
-def _container_env(container: dict[str, Any], pod_ip: str) -> dict[str, str]:
+def _container_env(container: dict[str, Any], pod_ip: str, injected: list[tuple[str, str]]) -> dict[str, str]:
+    """The container's environment: its own entries, then the operator's, later duplicates winning."""
     env: dict[str, str] = {}
-    for item in container["env"]:
+    for item in [*container["env"], *({"name": k, "value": v} for k, v in injected)]:
         if "value" in item:
             env[item["name"]] = _expand(item["value"], env)
         elif item["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP":
@@ -94,30 +101,59 @@ class Pods:
 
     def generate(self, args: list[str]) -> None:
         """`ddptrain k8s ARGS` with the volumes at this test's folders; the ConfigMap materialised."""
-        gen = run_ddptrain(["k8s", *args, "--image", "local", "--name", "ddp-k8s-test", "--nodes", "2",
-                            "--nproc-per-node", "1", "--shared-mount", str(self.pvc), "--config-mount",
-                            str(self.config_mount), "--rdzv-port", str(_free_port())], cwd=self.tmp)
+        gen = run_ddptrain(
+            [
+                "k8s",
+                *args,
+                "--image",
+                "local",
+                "--name",
+                "ddp-k8s-test",
+                "--nodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--shared-mount",
+                str(self.pvc),
+                "--config-mount",
+                str(self.config_mount),
+                "--rdzv-port",
+                str(_free_port()),
+            ],
+            cwd=self.tmp,
+        )
         assert gen.returncode == 0, gen.stderr
-        config_map, self.job = yaml.safe_load_all(gen.stdout)
+        config_map, job = yaml.safe_load_all(gen.stdout)
+        self.job = with_defaults(job)
         for key, text in config_map["data"].items():
             (self.config_mount / key).write_text(text)
 
     def start(self, attempt: int = 0) -> None:
         """One process per replica, as the kubelet would run the container."""
-        replicas = [(role, index, spec["template"]["spec"]["containers"][0])
-                    for role, spec in self.job["spec"]["pytorchReplicaSpecs"].items() for index in range(spec["replicas"])]
+        replicas = [
+            (role, index, spec["template"]["spec"]["containers"][0])
+            for role, spec in self.job["spec"]["pytorchReplicaSpecs"].items()
+            for index in range(spec["replicas"])
+        ]
         pod_ips = [h.addr for h in self.hosts] if self.hosts else [LOOPBACK] * len(replicas)
         hosts = self.tmp / "hosts"  # the kubelet-managed /etc/hosts plus the Master Service's DNS name
         hosts.write_text(f"127.0.0.1 localhost\n{pod_ips[0]} {self.job['metadata']['name']}-master-0\n")
         self.procs = []
         for i, ((role, index, container), pod_ip) in enumerate(zip(replicas, pod_ips)):
-            pod_env = _container_env(container, pod_ip)
+            pod_env = _container_env(container, pod_ip, injected_env(self.job, role, index))
             argv = [_expand(a, pod_env) for a in container["command"]]
             env = env_for_subprocess(pod_env)
             env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])  # the image's ddptrain
             # Every wrapper execs, so the process is `ddptrain launch` itself, as PID 1 of a container is.
-            cmd = ["unshare", "--mount", "sh", "-c", f'mount --bind {hosts} /etc/hosts && cd "$0" && exec "$@"',
-                   container["workingDir"], *argv]
+            cmd = [
+                "unshare",
+                "--mount",
+                "sh",
+                "-c",
+                f'mount --bind {hosts} /etc/hosts && cd "$0" && exec "$@"',
+                container["workingDir"],
+                *argv,
+            ]
             name, log = f"{role}-{index}", self.tmp / f"{role}-{index}-{attempt}.log"
             if self.hosts:
                 self.procs.append((name, log, self.hosts[i].start(cmd, env, log)))
@@ -147,6 +183,7 @@ def test_manifest_replicas_train_to_the_end(pods: Pods, corpus_dir: Path) -> Non
     pods.start()
     codes, logs = pods.wait()
     assert codes == {"Master-0": 0, "Worker-0": 0}, logs
+    assert "differs from" not in logs  # the operator's variables agree with the command line
     train = read_metrics(pods.run_dir)
     assert train[-1]["step"] == 6 and train[-1]["world_size"] == 2, logs
     if pods.hosts:  # rank 0 ran on one of the namespace hosts, under its hostname
@@ -155,8 +192,9 @@ def test_manifest_replicas_train_to_the_end(pods: Pods, corpus_dir: Path) -> Non
 
 
 @pytest.mark.timeout(300)
-def test_evicted_pods_commit_within_the_grace_period_and_resume(pods: Pods, corpus_dir: Path, tmp_path: Path,
-                                                                pytestconfig: pytest.Config) -> None:
+def test_evicted_pods_commit_within_the_grace_period_and_resume(
+    pods: Pods, corpus_dir: Path, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
     steps = 300
     config = [*TINY, f"train.max_steps={steps}", "ckpt.every_steps=0", f"data.dir={corpus_dir}"]
     reference = run_ddptrain(["train", *config, f"run.dir={tmp_path / 'reference'}"], nproc=2, timeout=200)
@@ -169,13 +207,20 @@ def test_evicted_pods_commit_within_the_grace_period_and_resume(pods: Pods, corp
         assert time.monotonic() < deadline and all(p.poll() is None for _, _, p in pods.procs), pods.wait(1)[1]
         time.sleep(0.05)
     evicted = time.monotonic()
-    for _, _, proc in pods.procs:  # a node drain: SIGTERM to each container's PID 1
-        proc.send_signal(signal.SIGTERM)
+    evicted_pod, _, proc = pods.procs[-1]  # a node drain evicts one pod: SIGTERM to its container's PID 1
+    proc.send_signal(signal.SIGTERM)
     codes, logs = pods.wait(timeout=grace)
     stopped_s = time.monotonic() - evicted
-    assert codes == {"Master-0": 75, "Worker-0": 75}, logs
+    command = pods.job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    preempted_code = int(command[command.index("--preempted-exit-code") + 1])
+    assert preempted_code == 143 and codes == {"Master-0": 143, "Worker-0": 143}, logs
     assert stopped_s < grace
-    pods.start(attempt=1)  # restartPolicy OnFailure: the same containers again
+    assert all(
+        pod_restarted(pods.job["spec"]["pytorchReplicaSpecs"][n.split("-")[0]]["restartPolicy"], c)
+        for n, c in codes.items()
+    )  # the operator recreates them all; nothing counts against a budget
+    assert "differs from" not in logs
+    pods.start(attempt=1)
     codes, logs = pods.wait()
     assert codes == {"Master-0": 0, "Worker-0": 0}, logs
     events = read_metrics(pods.run_dir, "event")
@@ -185,5 +230,9 @@ def test_evicted_pods_commit_within_the_grace_period_and_resume(pods: Pods, corp
     final, expected = final_model_state(pods.run_dir), final_model_state(tmp_path / "reference")
     for name, tensor in expected.items():
         torch.testing.assert_close(final[name], tensor, rtol=0, atol=0, msg=f"parameter {name} differs")
-    report(pytestconfig, f"k8s eviction: SIGTERM -> both pods exited 75 in {stopped_s:.1f} s "
-                         f"(terminationGracePeriodSeconds {grace}), checkpoint at step {preempted['step']}")
+    report(
+        pytestconfig,
+        f"k8s eviction: SIGTERM to {evicted_pod} -> both pods committed and exited 143 "
+        f"in {stopped_s:.1f} s "
+        f"(terminationGracePeriodSeconds {grace}), checkpoint at step {preempted['step']}",
+    )

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import TINY, env_for_subprocess, final_model_state, read_metrics
 from slurm_harness import REQUEUE_DELAY_S, SlurmCluster, report, skip_reason
 
@@ -31,7 +30,22 @@ pytestmark = pytest.mark.cluster
 STEPS = 300
 LONG = [f"train.max_steps={STEPS}", "ckpt.every_steps=0", "log.every_steps=1"]
 # One node, two ranks; stop-window estimates small enough for a short --signal lead.
-JOB = ["--nodes", "1", "--nproc-per-node", "2", "--signal-seconds", "60", "--save-seconds", "10", "--step-seconds", "5"]
+JOB = [
+    "--nodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--cpus-per-node",
+    "2",
+    "--mem",
+    "1G",
+    "--signal-seconds",
+    "60",
+    "--save-seconds",
+    "10",
+    "--step-seconds",
+    "5",
+]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"}
 
 
@@ -52,8 +66,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
 
 def _submit(slurm: SlurmCluster, cwd: Path, args: list[str]) -> str:
     """`ddptrain slurm ... --submit` as a user would type it; returns the job id."""
-    proc = subprocess.run([sys.executable, "-m", "ddptrain", "slurm", *args, "--submit"], capture_output=True,
-                          text=True, timeout=120, cwd=cwd, env=slurm.env(env_for_subprocess()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "slurm", *args, "--submit"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=slurm.env(env_for_subprocess()),
+    )
     assert proc.returncode == 0, proc.stderr
     match = re.search(r"submitted job (\d+)", proc.stdout)
     assert match, proc.stdout
@@ -77,7 +97,9 @@ def _wait_for_step(run_dir: Path, step: int, timeout: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(slurm: SlurmCluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def uninterrupted(
+    slurm: SlurmCluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, str]]:
     """A job of the preemption test's config that nobody interrupts: its run dir and final job fields."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     job = _submit(slurm, tmp, [*TINY, *LONG, f"data.dir={corpus_dir}", f"run.dir={tmp / 'run'}", *JOB])
@@ -97,7 +119,10 @@ def test_submitted_job_trains_to_the_end(uninterrupted: tuple[Path, dict[str, st
 
 @pytest.mark.timeout(300)
 def test_preempted_job_requeues_and_resumes_to_the_same_parameters(
-    slurm: SlurmCluster, uninterrupted: tuple[Path, dict[str, str]], corpus_dir: Path, tmp_path: Path,
+    slurm: SlurmCluster,
+    uninterrupted: tuple[Path, dict[str, str]],
+    corpus_dir: Path,
+    tmp_path: Path,
     pytestconfig: pytest.Config,
 ) -> None:
     run_dir = tmp_path / "run"
@@ -127,10 +152,13 @@ def test_preempted_job_requeues_and_resumes_to_the_same_parameters(
 
     requeued = _log_time(log, r"requeueing job \d+ at (\S+)")
     restarted = _log_time(log, r"restart 1 on \S+, rendezvous \S+, (\S+)")
-    report(pytestconfig, f"preemption: USR1 -> checkpoint at step {stop_step} + exit 75 + requeue "
-                          f"{requeued - signalled:.1f} s; requeue -> job running again {restarted - requeued:.1f} s "
-                          f"(SLURM's requeue hold, cred_expire+1 = {REQUEUE_DELAY_S} s here, 121 s by default); "
-                          f"USR1 -> training resumed {resumed[0]['time'] - signalled:.1f} s")
+    report(
+        pytestconfig,
+        f"preemption: USR1 -> checkpoint at step {stop_step} + exit 75 + requeue "
+        f"{requeued - signalled:.1f} s; requeue -> job running again {restarted - requeued:.1f} s "
+        f"(SLURM's requeue hold, cred_expire+1 = {REQUEUE_DELAY_S} s here, 121 s by default); "
+        f"USR1 -> training resumed {resumed[0]['time'] - signalled:.1f} s",
+    )
 
 
 def _log_time(log: str, pattern: str) -> float:
@@ -144,12 +172,75 @@ def _log_time(log: str, pattern: str) -> float:
 def test_crashing_job_is_requeued_only_up_to_its_bound(slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # A model factory that raises (a negative width): every attempt crashes with exit 1, not 2 or 75.
-    job = _submit(slurm, tmp_path, [*TINY, f"data.dir={corpus_dir}", "model.target=toy:build_model",
-                                    "model.kwargs.dim=-1", f"run.dir={run_dir}",
-                                    *JOB, "--nproc-per-node", "1", "--max-requeues", "1",
-                                    "--max-restarts", "0"])
+    job = _submit(
+        slurm,
+        tmp_path,
+        [
+            *TINY,
+            f"data.dir={corpus_dir}",
+            "model.target=toy:build_model",
+            "model.kwargs.dim=-1",
+            f"run.dir={run_dir}",
+            *JOB,
+            "--nproc-per-node",
+            "1",
+            "--max-requeues",
+            "1",
+            "--max-restarts",
+            "0",
+        ],
+    )
     info = slurm.wait_for(job, DONE, 200)
     log = _job_log(run_dir)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0" and info["Restarts"] == "1", f"{info}\n{log}"
     assert log.count("requeueing") == 1 and "after 1 requeues; giving up" in log
     assert (run_dir / "slurm" / f"crashes-{job}").read_text().strip() == "2"
+
+
+@pytest.mark.timeout(300)
+def test_two_jobs_on_the_same_head_node_at_once_both_finish(
+    slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    """Each job's rendezvous port comes from its job id: two jobs on the same head node do not collide."""
+    one_cpu = [
+        "--nodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--cpus-per-node",
+        "1",
+        "--mem",
+        "1G",
+        "--signal-seconds",
+        "60",
+        "--save-seconds",
+        "10",
+        "--step-seconds",
+        "5",
+    ]
+    runs, jobs = [tmp_path / "a" / "run", tmp_path / "b" / "run"], []
+    for run_dir, steps in zip(runs, (40, 60)):
+        run_dir.parent.mkdir()
+        config = [
+            *TINY,
+            f"train.max_steps={steps}",
+            "log.every_steps=1",
+            f"data.dir={corpus_dir}",
+            f"run.dir={run_dir}",
+        ]
+        jobs.append(_submit(slurm, run_dir.parent, [*config, *one_cpu]))
+    infos = [slurm.wait_for(job, DONE, 240) for job in jobs]
+    logs = [_job_log(run_dir) for run_dir in runs]
+    for info, log in zip(infos, logs):
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
+    endpoints = [re.search(r"rendezvous (\S+),", log).group(1) for log in logs]  # type: ignore[union-attr]
+    assert endpoints[0] != endpoints[1]
+    assert all(e.endswith(f":{10000 + int(j) % 20000}") for e, j in zip(endpoints, jobs))
+    # They ran at the same time on the one node: B started before A ended.
+    assert infos[1]["StartTime"] < infos[0]["EndTime"] and infos[0]["NodeList"] == infos[1]["NodeList"], infos
+    for run_dir, steps in zip(runs, (40, 60)):
+        assert read_metrics(run_dir)[-1]["step"] == steps
+    report(
+        pytestconfig,
+        f"two concurrent jobs on {infos[0]['NodeList']} finished, rendezvous {endpoints[0]} and {endpoints[1]}",
+    )

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from helpers import TINY, env_for_subprocess, read_metrics
 from netns import Cluster, unavailable_reason
 from slurm_harness import SlurmCluster, report, skip_reason
@@ -32,8 +31,12 @@ def two_host_slurm(tmp_path: Path, pytestconfig: pytest.Config) -> Iterator[Slur
     hosts = Cluster(2)
     slurm = SlurmCluster(tmp_path / "slurm", hosts.nodes)
     try:
-        subprocess.run(["ip", "addr", "add", f"10.77.{hosts.subnet}.254/24", "dev", hosts.bridge], check=True,
-                       capture_output=True, timeout=30)
+        subprocess.run(
+            ["ip", "addr", "add", f"10.77.{hosts.subnet}.254/24", "dev", hosts.bridge],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         slurm.start()
         report(pytestconfig, f"two-host SLURM cluster up and idle in {slurm.started_s:.2f} s")
         yield slurm
@@ -46,10 +49,35 @@ def two_host_slurm(tmp_path: Path, pytestconfig: pytest.Config) -> Iterator[Slur
 def test_job_spans_two_hosts(two_host_slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "ddptrain", "slurm", *TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}",
-         "--nodes", "2", "--nproc-per-node", "1", "--signal-seconds", "60", "--save-seconds", "10",
-         "--step-seconds", "5", "--submit"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=two_host_slurm.env(env_for_subprocess()),
+        [
+            sys.executable,
+            "-m",
+            "ddptrain",
+            "slurm",
+            *TINY,
+            f"data.dir={corpus_dir}",
+            f"run.dir={run_dir}",
+            "--nodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--cpus-per-node",
+            "1",
+            "--mem",
+            "1G",
+            "--signal-seconds",
+            "60",
+            "--save-seconds",
+            "10",
+            "--step-seconds",
+            "5",
+            "--submit",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=two_host_slurm.env(env_for_subprocess()),
     )
     assert proc.returncode == 0, proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)  # type: ignore[union-attr]
@@ -57,6 +85,6 @@ def test_job_spans_two_hosts(two_host_slurm: SlurmCluster, corpus_dir: Path, tmp
     log = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm").glob("*.out")))
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
     head_addr = two_host_slurm.nodes[0][1]
-    assert info["NodeList"] == "node[1-2]" and f"rendezvous {head_addr}:29500" in log, log
+    assert info["NodeList"] == "node[1-2]" and f"rendezvous {head_addr}:{10000 + int(job) % 20000}" in log, log
     train = read_metrics(run_dir)
     assert train[-1]["step"] == 6 and train[-1]["world_size"] == 2

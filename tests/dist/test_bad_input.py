@@ -8,6 +8,8 @@ import pytest
 
 from helpers import run_ddptrain
 
+pytestmark = pytest.mark.dist
+
 
 def assert_user_error(result, message: str) -> None:  # type: ignore[no-untyped-def]
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)

@@ -17,6 +17,8 @@ from ddptrain.models.gpt import GPT
 
 from helpers import read_metrics, run_ddptrain
 
+pytestmark = pytest.mark.dist
+
 
 def committed(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
@@ -38,10 +40,16 @@ def test_one_rank_failing_to_write_commits_nothing_and_keeps_the_old(tiny_args: 
 
     goes_on = run_ddptrain(["train", *tiny_args, "train.max_steps=9", "ckpt.on_error=continue"], nproc=2,
                            max_file_bytes=50_000)
-    assert goes_on.returncode == 0, goes_on.stderr
+    # It trains on, retries the final save once, and then says the final state is lost: never exit 0.
+    assert goes_on.returncode == 1, goes_on.stderr
+    assert "retrying the save of step 9" in goes_on.stdout
+    assert "the final state at step 9 could not be committed" in goes_on.stdout
+    assert "the newest safe checkpoint is step 3" in goes_on.stdout
     failures = [e for e in read_metrics(run_dir, "event") if e["event"] == "checkpoint_failed"]
-    assert [e["step"] for e in failures] == [6, 6, 9]  # the stopped run's, then this run's two
+    assert [e["step"] for e in failures] == [6, 6, 9, 9]  # the stopped run's, then this run's three
     assert max(m["step"] for m in read_metrics(run_dir)) == 9
+    assert committed(run_dir) == ["step-00000003"]
+    verify_checkpoint(run_dir / "checkpoints" / "step-00000003")
 
 
 @pytest.fixture
@@ -65,6 +73,19 @@ def test_disk_full_on_save(tiny_args: list[str], small_tmpfs: Path) -> None:
     verify_checkpoint(run_dir / "checkpoints" / "step-00000002")
 
 
+@pytest.mark.timeout(120)
+def test_on_error_continue_on_a_full_disk_never_loses_the_final_state_quietly(tiny_args: list[str],
+                                                                             small_tmpfs: Path) -> None:
+    run_dir = small_tmpfs / "run"
+    result = run_ddptrain(["train", *tiny_args, f"run.dir={run_dir}", "ckpt.every_steps=2", "ckpt.on_error=continue"])
+    assert result.returncode == 1, result.stderr
+    final = [line for line in result.stdout.splitlines() if "could not be committed" in line]
+    assert len(final) == 1 and "the newest safe checkpoint is step 2" in final[0], result.stdout
+    assert "done:" not in result.stdout
+    assert committed(run_dir) == ["step-00000002"]
+    verify_checkpoint(run_dir / "checkpoints" / "step-00000002")
+
+
 @pytest.mark.timeout(180)
 def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -83,6 +104,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_ar
     refused = run_ddptrain(["train", *tiny_args, "train.max_steps=9"])
     assert refused.returncode == 2
     assert "failed verification; refusing to start over silently" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
 
 @pytest.mark.timeout(120)

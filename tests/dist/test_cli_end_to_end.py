@@ -10,6 +10,8 @@ import yaml
 
 from helpers import read_metrics, run_ddptrain
 
+pytestmark = pytest.mark.dist
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nproc", [0, 2])

@@ -9,6 +9,8 @@ import torch
 
 from helpers import final_model_state, read_metrics, run_ddptrain
 
+pytestmark = pytest.mark.dist
+
 
 @pytest.mark.timeout(180)
 def test_two_ranks_match_one_process_step_by_step(tiny_args: list[str], tmp_path: Path) -> None:

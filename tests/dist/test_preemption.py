@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
-from ddptrain.preemption import EXIT_PREEMPTED
+from ddptrain.errors import EXIT_PREEMPTED
 from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
@@ -52,7 +52,7 @@ def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path:
     assert proc.wait(60) == EXIT_PREEMPTED, (tmp_path / "first.log").read_text()[-3000:]
     [preempted] = [r for r in read_metrics(run_dir, "event") if r["event"] == "preempted"]
     assert preempted["signal"] == "SIGUSR1" and preempted["step"] > 15
-    assert verify_checkpoint(committed_checkpoints(run_dir / "checkpoints")[0])["step"] == preempted["step"]
+    assert verify_checkpoint(committed_checkpoints(run_dir / "checkpoints")[0]).step == preempted["step"]
     assert max(r["step"] for r in read_metrics(run_dir)) == preempted["step"]  # no rank went further
 
     again = start(argv, tmp_path / "second.log")
@@ -73,4 +73,4 @@ def test_sigterm_to_a_single_process_run(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == EXIT_PREEMPTED
     [preempted] = [r for r in read_metrics(run_dir, "event") if r["event"] == "preempted"]
-    assert verify_checkpoint(committed_checkpoints(run_dir / "checkpoints")[0])["step"] == preempted["step"]
+    assert verify_checkpoint(committed_checkpoints(run_dir / "checkpoints")[0]).step == preempted["step"]

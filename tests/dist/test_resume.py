@@ -16,6 +16,8 @@ import torch
 
 from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 
+pytestmark = pytest.mark.dist
+
 STEPS = 10
 GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "dropout": 0.1}  # dropout: RNG state matters
 

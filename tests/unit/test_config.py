@@ -22,7 +22,9 @@ def test_defaults_are_valid_and_round_trip(tmp_path: Path) -> None:
 def test_yaml_then_overrides_win(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"train": {"max_steps": 50, "lr": 0.01}, "run": {"name": "x"}}))
-    cfg = load_config(path, ["train.max_steps=100", "data.micro_batch_size=8", "ckpt.async=true", "train.betas=[0.8, 0.9]"])
+    cfg = load_config(
+        path, ["train.max_steps=100", "data.micro_batch_size=8", "ckpt.async=true", "train.betas=[0.8, 0.9]"]
+    )
     assert cfg.train.max_steps == 100
     assert cfg.train.lr == 0.01
     assert cfg.data.micro_batch_size == 8
@@ -70,3 +72,11 @@ def test_grad_accumulation_is_derived_and_checked() -> None:
     assert cfg.grad_accum_steps(8) == 1
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.grad_accum_steps(3)
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 reads `3e-4` as a string; strict validation would refuse it, so the loader reads a number."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-2\n")
+    cfg = load_config(path, ["train.min_lr_ratio=1e-2"])
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.min_lr_ratio) == (1e-3, 5e-2, 1e-2)

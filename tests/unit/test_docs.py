@@ -1,12 +1,34 @@
-"""The configuration reference documents every key."""
+"""The docs match reality: every key is documented, and every command shown is run or skipped with a reason.
+
+`test_every_documented_command_is_covered` collects each command line from the code blocks of
+README.md and docs/*.md and requires a rule for it below: a check that runs it here and compares
+its output with what the docs show (exactly, or line by line in shape: numbers may differ), or a
+reason it cannot run in the unit tests. A new command in the docs fails the test until it has one.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+import yaml
+from helpers import TINY, run_ddptrain
+
+from ddptrain.cli import main
 from ddptrain.config import Config
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "configuration.md"
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_PROGRAMS = ("ddptrain", "make", "torchrun", "python", "python3", "pip", "kubectl", "sbatch", "scancel", "tensorboard")
+_NUMBER = re.compile(r"\d[\d,.:]*(e[-+]\d+)?")
 
 
 def test_every_config_key_is_documented() -> None:
@@ -15,3 +37,323 @@ def test_every_config_key_is_documented() -> None:
         assert f"\n{section_name}:\n" in text, section_name
         for name, f in field.annotation.model_fields.items():  # type: ignore[union-attr]
             assert f"  {f.alias or name} = " in text, f"{section_name}.{f.alias or name} missing from {DOC.name}"
+
+
+# ---- collecting the commands ------------------------------------------------------------------
+
+
+def code_blocks(path: Path) -> list[tuple[str, list[str]]]:
+    """(language, lines) of every fenced block and every indented block of a markdown file."""
+    blocks: list[tuple[str, list[str]]] = []
+    fence: tuple[str, list[str]] | None = None
+    indented: list[str] = []
+    previous = ""
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            if fence is None:
+                fence = (line[3:].strip(), [])
+            else:
+                blocks.append(fence)
+                fence = None
+            continue
+        if fence is not None:
+            fence[1].append(line)
+        elif (
+            line.startswith("    ")
+            and (indented or not previous.strip())
+            and not line.lstrip().startswith(("*", "-", "|"))
+        ):
+            indented.append(line[4:])
+        elif indented:
+            blocks.append(("", indented))
+            indented = []
+        previous = line
+    return blocks
+
+
+def _is_command(line: str) -> bool:
+    word = line.split(" ", 1)[0]
+    name = word.rsplit("/", 1)[-1]
+    output = re.match(r"^\S+( \S+)?(:| \()|^\S+ {2,}|^\S+ = ", line)  # "ddptrain train: error", "python   3.11"
+    return (name in _PROGRAMS or word.startswith("PYTHONPATH=")) and not output
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line in a plain or console code block, continuations joined."""
+    found = []
+    for path in DOC_FILES:
+        for lang, lines in code_blocks(path):
+            if lang not in ("", "sh", "console", "shell"):
+                continue  # yaml, python, bash scripts: file contents, not commands
+            prompted = any(line.startswith("$ ") for line in lines)
+            joined, pending = [], ""
+            for line in lines:
+                text = line[2:] if prompted and line.startswith("$ ") else (None if prompted else line)
+                if text is None:
+                    continue
+                text = pending + text.strip()
+                if text.endswith("\\"):
+                    pending = text[:-1] + " "
+                    continue
+                pending = ""
+                text = re.sub(r"\s+#.*$", "", text).strip()
+                if text and _is_command(text):
+                    joined.append(text)
+            found += [(path.name, command) for command in joined]
+    return found
+
+
+# ---- checks that run a command here ------------------------------------------------------------
+
+
+def _ddptrain(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _block_after(path: Path, marker: str) -> list[str]:
+    """The first fenced block after the line containing `marker`."""
+    text = path.read_text()
+    rest = text[text.index(marker) :]
+    start = rest.index("```")
+    body = rest[rest.index("\n", start) + 1 :]
+    return body[: body.index("```")].splitlines()
+
+
+def _shape(line: str) -> re.Pattern[str]:
+    """A line with its numbers (and the padding before them) made variable."""
+    literal = [re.sub(" +", " +", re.escape(p)) for p in _NUMBER.sub("\0", line).split("\0")]
+    return re.compile("^" + r"\d[\d,.:]*(e[-+]\d+)?".join(literal) + "$")
+
+
+def check_generated_slurm_script(command: str, tmp: Path) -> None:
+    """docs/clusters.md shows the script this command writes (paths and submission id aside)."""
+    argv = shlex.split(command)[1:] + ["--python", "/mnt/shared/venvs/ddptrain/bin/python"]
+    argv = [str(ROOT / a) if a.startswith("examples/") else a for a in argv if a != "[--submit]"]
+    rc, out, err = _ddptrain(argv, tmp)
+    assert rc == 0, err
+    script = Path(out.split("wrote ", 1)[1].strip())
+    shown = _block_after(ROOT / "docs" / "clusters.md", "A generated script")
+    submission = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
+    actual = [
+        submission.sub("SUB", line.replace(str(tmp.resolve()), "/mnt/shared/gpt"))
+        for line in script.read_text().splitlines()
+    ]
+    assert actual == [submission.sub("SUB", line) for line in shown]
+
+
+def check_generated_manifest(command: str, tmp: Path) -> None:
+    """docs/clusters.md shows exactly the manifest this command prints."""
+    argv = [str(ROOT / a) if a.startswith("examples/") else a for a in shlex.split(command.split(" > ")[0])[1:]]
+    rc, out, err = _ddptrain(argv, tmp)
+    assert rc == 0, err
+    assert out.splitlines() == _block_after(ROOT / "docs" / "clusters.md", "The generated manifest")
+
+
+def check_runs_and_prints_documents(command: str, tmp: Path) -> None:
+    """A README generator command with placeholders: it succeeds (no --submit here)."""
+    argv = [
+        str(ROOT / a) if a.startswith("examples/") else a
+        for a in shlex.split(command.split(" > ")[0])[1:]
+        if a != "--submit"
+    ]
+    rc, out, err = _ddptrain(argv, tmp)
+    assert rc == 0, err
+    if argv[0] == "k8s":
+        assert [d["kind"] for d in yaml.safe_load_all(out)] == ["ConfigMap", "PyTorchJob"]
+    else:
+        assert out.startswith("wrote ") and out.strip().endswith("job.sbatch")
+
+
+def check_launch_dry_run(command: str, tmp: Path) -> None:
+    """The launch line is valid: its --dry-run prints the torchrun command."""
+    argv = shlex.split(command)[1:]
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("-c", "--config"):  # --dry-run checks the worker command: the reader's config must exist
+            (tmp / value).write_text("run:\n  name: docs\n")
+    argv.insert(argv.index("--"), "--dry-run")
+    rc, out, err = _ddptrain(argv, tmp)
+    assert rc == 0, err
+    assert " torchrun --nnodes 2 " in out.splitlines()[0] and "--rdzv-endpoint" in out
+
+
+def check_error_line(command: str, tmp: Path) -> None:
+    """A documented error: exit 2 and exactly the line the docs show after the command."""
+    for path in DOC_FILES:
+        lines = path.read_text().splitlines()
+        if f"$ {command}" in lines:
+            expected = lines[lines.index(f"$ {command}") + 1]
+            break
+    if "runs/empty" in command:
+        (tmp / "runs" / "empty").mkdir(parents=True)
+        (tmp / "runs" / "empty" / "metrics.jsonl").write_text("")
+    rc, out, err = _ddptrain(shlex.split(command)[1:], tmp)
+    assert rc == 2 and err.strip() == expected
+
+
+def check_help_config(command: str, tmp: Path) -> None:
+    """`--help-config` prints every section the configuration reference documents."""
+    rc, out, _ = _ddptrain(shlex.split(command)[1:], tmp)
+    assert rc == 0 and all(f"\n{s}:" in "\n" + out for s in Config.model_fields)
+
+
+def check_train_output_shape(command: str, tmp: Path, corpus_dir: Path) -> None:
+    """Training prints lines of the shapes README's sample shows (a tiny model: numbers differ)."""
+    shapes = [_shape(line) for line in _block_after(ROOT / "README.md", "then trains a 0.84M") if line != "..."]
+    proc = run_ddptrain(
+        [
+            "train",
+            *TINY,
+            f"data.dir={corpus_dir}",
+            "train.max_steps=20",
+            "log.every_steps=10",
+            "train.eval_every=10",
+            "ckpt.every_steps=10",
+        ],
+        cwd=tmp,
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    for line in printed:
+        assert any(s.match(line) for s in shapes), f"{line!r} has no line of its shape in README's sample"
+    for kind in (
+        "training default: world size 1",
+        "step     10/20  loss",
+        "step     20  val_loss",
+        "checkpoint step 20",
+        "done: 20 steps",
+    ):
+        assert any(line.startswith(kind) for line in printed), kind
+
+
+def check_prepare(command: str, tmp: Path) -> None:
+    """`ddptrain prepare GLOB --out DIR` on a folder of notes."""
+    (tmp / "notes" / "a").mkdir(parents=True)
+    (tmp / "notes" / "a" / "one.md").write_text("# notes\n" * 2000)
+    rc, out, err = _ddptrain(shlex.split(command)[1:], tmp)
+    assert rc == 0, err
+    assert re.match(r"^prepared 1 files .*into data/notes: [\d,]+ train tokens, [\d,]+ val tokens", out.strip()), out
+
+
+Check = Callable[..., None]
+_SKIP_DIST = "starts several processes: tests/dist covers it (make test-dist)"
+RULES: list[tuple[str, Check | str]] = [
+    (r"^make (train|test)$", "sets up a virtual environment and trains or tests for minutes: what .ci/run does"),
+    (r"^make bench$", "minutes of benchmarks with extra installs: CI runs python -m bench all --smoke"),
+    (r"^python3 -m venv \.venv$", "creates an environment: what make venv does"),
+    (r"^\.venv/bin/pip install ", "installs packages: make venv does (its torch index: test_install_commands...)"),
+    (r"^ddptrain train$", check_train_output_shape),
+    (r"^ddptrain train -c my\.yaml ", "my.yaml stands for the reader's config; the same path as ddptrain train"),
+    (r"^ddptrain train --help-config$", check_help_config),
+    (r"^ddptrain train train\.", check_error_line),
+    (
+        r"^ddptrain train optim\.target=my_pkg",
+        "my_pkg stands for the reader's package: tests/unit/test_schedules.py covers optim.target",
+    ),
+    (
+        r"^ddptrain train log\.trackers=\[wandb\]$",
+        "shows the error without wandb, which the dev extra installs: tests/dist/test_tracker_extras.py",
+    ),
+    (
+        r"^ddptrain train data\.dir=data/notes( run\.name=notes)?$",
+        "trains on the reader's notes: the same path as ddptrain train",
+    ),
+    (r"^ddptrain prepare 'notes/", check_prepare),
+    (r"^PYTHONPATH=examples/regression ", "trains the example model: tests/dist/test_cli_end_to_end.py runs it"),
+    (r"^torchrun --nproc-per-node 2 -m ddptrain train", _SKIP_DIST),
+    (r"^torchrun --nproc-per-node 2 examples/python_api/", "two processes: tests/dist/test_python_api.py runs it"),
+    (r"^torchrun --standalone --nproc-per-node \d+ -m (ddptrain doctor|bench)", _SKIP_DIST),
+    (r"^torchrun --nnodes 2 ", "needs two machines: tests/cluster/test_multinode_faults.py runs it on namespace hosts"),
+    (r"^ddptrain launch --nnodes 2 ", check_launch_dry_run),
+    (r"^python -m ddptrain launch --nnodes N ", "the template every node runs, with placeholders N, K, HEAD"),
+    (r"^ddptrain slurm -c examples/gpt-small\.yaml .* \[--submit\]$", check_generated_slurm_script),
+    (r"^ddptrain slurm -c examples/gpt-small\.yaml .* --submit$", check_runs_and_prints_documents),
+    (r"^ddptrain k8s -c examples/gpt-small\.yaml --nodes 4 --min-nodes 2 ", check_generated_manifest),
+    (r"^ddptrain k8s -c examples/gpt-small\.yaml --nodes 4 --gpus-per-node 8 --image", check_runs_and_prints_documents),
+    (r"^ddptrain prepare \"\$STDLIB/", "trains a BPE tokenizer on the standard library: tests/unit/test_prepare.py"),
+    (r"^ddptrain prepare FILES/", "a synopsis with placeholders: tests/unit/test_prepare.py runs prepare"),
+    (
+        r"^ddptrain (eval|export) (runs/llama|RUN_DIR) |^torchrun --nproc-per-node 2 -m ddptrain eval ",
+        "the Hugging Face walk-through on a trained Llama run: tests/dist/test_real_models.py",
+    ),
+    (r"^ddptrain train -c llama\.yaml ", "fine-tunes the exported Llama: tests/dist/test_real_models.py"),
+    (r"^kubectl apply ", "needs a Kubernetes cluster: tests/cluster/test_k8s_replicas.py runs the manifest's pods"),
+    (r"^ddptrain export runs/default ", "needs a trained run: tests/unit/test_checkpoint.py exports one"),
+    (r"^ddptrain report runs/empty$", check_error_line),
+    (r"^ddptrain doctor( --endpoint HEAD:29500)?$", "a bandwidth sweep: tests/unit/test_doctor_unit.py"),
+    (r"^ddptrain generate runs/demo ", "needs the demo run: tests/unit/test_report.py samples from a trained run"),
+    (r"^ddptrain triage run", "needs a hung run's stacks: tests/dist/test_hangs.py runs triage on real hangs"),
+    (
+        r"^(torchrun --standalone --nproc-per-node 2 -m )?ddptrain verify-resume runs/cert ",
+        "needs a trained run with a certificate: tests/dist/test_verify_resume.py replays one",
+    ),
+    (
+        r"^python -m bench|^python bench/gpu\.py|^\.venv/bin/python bench/gpu\.py|^python -m bench\.profiling",
+        "benchmarks, minutes each (and a GPU for bench/gpu.py): tests/dist/test_bench_smoke.py runs the smoke set",
+    ),
+]
+
+
+def _rule(command: str) -> Check | str | None:
+    return next((action for pattern, action in RULES if re.search(pattern, command)), None)
+
+
+def test_every_documented_command_is_covered() -> None:
+    commands = documented_commands()
+    assert len(commands) > 30  # the collector finds the commands at all
+    uncovered = [f"{name}: {command}" for name, command in commands if _rule(command) is None]
+    assert not uncovered, "documented commands without a rule in tests/unit/test_docs.py:\n" + "\n".join(uncovered)
+
+
+RUNNABLE = [(name, command) for name, command in documented_commands() if callable(_rule(command))]
+SKIPPED = [(name, command) for name, command in documented_commands() if isinstance(_rule(command), str)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, command", RUNNABLE, ids=[f"{n}:{c[:60]}" for n, c in RUNNABLE])
+def test_documented_command_runs_as_shown(name: str, command: str, tmp_path: Path, corpus_dir: Path) -> None:
+    check = _rule(command)
+    assert callable(check)
+    if check is check_train_output_shape:
+        check(command, tmp_path, corpus_dir)
+    else:
+        check(command, tmp_path)
+
+
+@pytest.mark.parametrize("name, command", SKIPPED, ids=[f"{n}:{c[:60]}" for n, c in SKIPPED])
+def test_documented_command_not_run_here(name: str, command: str) -> None:
+    pytest.skip(str(_rule(command)))
+
+
+def test_install_commands_pick_the_cpu_build_without_a_gpu(tmp_path: Path) -> None:
+    """`make` offers PyTorch's CPU index on a machine without nvidia-smi, and only PyPI with one."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "nvidia-smi").chmod(0o755)
+
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+
+    def torch_line(path: str) -> str:
+        # PATH holds only the folder given: whether nvidia-smi is found does not depend on this machine.
+        proc = subprocess.run(
+            [make, "-n", "-B", "venv", "VENV=" + str(tmp_path / "venv")],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=60,
+            env={"PATH": path, "HOME": str(tmp_path)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        return next(line for line in proc.stdout.splitlines() if '-m pip install -q "torch' in line)
+
+    plain = str(tmp_path / "empty")
+    Path(plain).mkdir()
+    readme = (ROOT / "README.md").read_text()
+    cpu_index = re.search(r"--extra-index-url (\S+)", readme).group(1)  # type: ignore[union-attr]
+    assert torch_line(plain).endswith(f'"torch==2.13.0" --extra-index-url {cpu_index}')
+    assert torch_line(f"{fake}:{plain}").rstrip().endswith('"torch==2.13.0"')

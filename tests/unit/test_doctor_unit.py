@@ -7,13 +7,22 @@ import time
 
 import pytest
 
-from ddptrain.doctor import check_interface, doctor, route_to
+from ddptrain.observe.doctor import check_interface, doctor, route_to
 
 
 @pytest.fixture(autouse=True)
 def _no_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_USE_AGENT_STORE"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -33,7 +42,9 @@ def test_loopback_master_addr_routes_via_lo(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_missing_socket_interface_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif9")
     check = check_interface()
-    assert check.verdict == "FAIL" and "GLOO_SOCKET_IFNAME=nosuchif9 but this host has no such interface" in check.detail
+    assert (
+        check.verdict == "FAIL" and "GLOO_SOCKET_IFNAME=nosuchif9 but this host has no such interface" in check.detail
+    )
 
 
 def test_an_incomplete_launch_env_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

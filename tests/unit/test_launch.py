@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from ddptrain.cli import main
-from ddptrain.launch import default_run_id, exit_code_for, interface_of
+from ddptrain.launch.launcher import default_run_id, exit_code_for, interface_of
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -13,17 +16,19 @@ def dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     return capsys.readouterr().out.splitlines()[0]
 
 
-def test_node_at_the_endpoint_hosts_the_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+def test_node_at_the_endpoint_hosts_the_rendezvous(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     common = ["--nnodes", "2", "--rdzv-endpoint", "10.9.0.1:29500"]
-    host = dry_run(capsys, *common, "--node-addr", "10.9.0.1", "--", "train", "-c", "cfg.yaml", "train.max_steps=5")
-    other = dry_run(capsys, *common, "--node-addr", "10.9.0.2", "--", "train", "-c", "cfg.yaml", "train.max_steps=5")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("train: {max_steps: 3}\n")  # --dry-run validates the worker command: the file must exist
+    host = dry_run(capsys, *common, "--node-addr", "10.9.0.1", "--", "train", "-c", str(cfg), "train.max_steps=5")
+    other = dry_run(capsys, *common, "--node-addr", "10.9.0.2", "--", "train", "-c", str(cfg), "train.max_steps=5")
     assert "--rdzv-conf is_host=true," in host and "--local-addr 10.9.0.1" in host
     assert "--rdzv-conf is_host=false," in other and "--local-addr 10.9.0.2" in other
     run_id = default_run_id("10.9.0.1:29500")
     for line in (host, other):  # the same id on every node, with nothing passed around
         assert f"--rdzv-id {run_id}" in line
         assert "--rdzv-backend c10d" in line and "SIGUSR1" in line
-        assert line.endswith("-m ddptrain train -c cfg.yaml train.max_steps=5")
+        assert line.endswith(f"-m ddptrain train -c {cfg} train.max_steps=5")
 
 
 def test_dry_run_line_is_what_torchrun_parses(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,8 +36,21 @@ def test_dry_run_line_is_what_torchrun_parses(capsys: pytest.CaptureFixture[str]
 
     from torch.distributed.run import get_args_parser
 
-    line = dry_run(capsys, "--nnodes", "1:4", "--rdzv-endpoint", "127.0.0.1:29511", "--node-addr", "127.0.0.1",
-                   "--max-restarts", "5", "--run-id", "job7", "--", "train")
+    line = dry_run(
+        capsys,
+        "--nnodes",
+        "1:4",
+        "--rdzv-endpoint",
+        "127.0.0.1:29511",
+        "--node-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "5",
+        "--run-id",
+        "job7",
+        "--",
+        "train",
+    )
     words = shlex.split(line)
     env = dict(w.split("=", 1) for w in words[: words.index("torchrun")])
     assert env["GLOO_SOCKET_IFNAME"] == "lo"  # found from the advertised address
@@ -47,20 +65,39 @@ def test_single_node_needs_no_endpoint(capsys: pytest.CaptureFixture[str]) -> No
     assert "--rdzv-endpoint localhost:0" in line and "--nproc-per-node 2" in line
 
 
-def test_stale_torchrun_variables_are_ignored(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stale_torchrun_variables_are_ignored(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PET_NNODES", "7")
     line = dry_run(capsys, "--", "train")
     assert "--nnodes 1" in line
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--nnodes", "2", "--", "train"], "needs --rdzv-endpoint"),
-    (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--", "train"], "0 < MIN <= MAX"),
-    (["--nnodes", "x", "--", "train"], "must be a number or MIN:MAX"),
-    (["--nnodes", "2", "--rdzv-endpoint", "nohost", "--", "train"], "HOST:PORT"),
-    (["--max-restarts", "-1", "--", "train"], "must be >= 0"),
-    ([], "nothing to launch"),
-])
+def test_scheduler_variables_that_contradict_the_command_are_named() -> None:
+    """What the Kubeflow operator injects is compared with the command line, which wins."""
+    from ddptrain.launch.launcher import add_parser, pet_conflicts
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["launch", "--nnodes", "2:2", "--rdzv-endpoint", "job-master-0:29400", "--", "train"])
+    agreeing = {"PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": "job-master-0:29400", "PET_NODE_RANK": "1"}
+    assert pet_conflicts(args, agreeing) == []
+    (line,) = pet_conflicts(args, {**agreeing, "PET_RDZV_ENDPOINT": "job-worker-0:29400"})
+    assert "PET_RDZV_ENDPOINT=job-worker-0:29400" in line and "--rdzv-endpoint job-master-0:29400" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nnodes", "2", "--", "train"], "needs --rdzv-endpoint"),
+        (["--preempted-exit-code", "1", "--", "train"], "--preempted-exit-code 1 must be 3-255"),
+        (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--", "train"], "0 < MIN <= MAX"),
+        (["--nnodes", "x", "--", "train"], "must be a number or MIN:MAX"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohost", "--", "train"], "HOST:PORT"),
+        (["--max-restarts", "-1", "--", "train"], "--max-restarts -1 must be"),
+        ([], "nothing to launch"),
+    ],
+)
 def test_bad_options_exit_2_with_one_message(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     assert main(["launch", *args]) == 2
     err = capsys.readouterr().err
@@ -71,7 +108,9 @@ def test_job_exit_code_from_worker_codes() -> None:
     assert exit_code_for([0, 0]) == 0
     assert exit_code_for([75, -15]) == 75  # one worker preempted: the job is resumable
     assert exit_code_for([2, 2]) == 2
-    assert exit_code_for([1, 2]) == 1
+    assert exit_code_for([1, 2]) == 2  # bad input wins: a retry cannot help
+    assert exit_code_for([-15, 2]) == 2
+    assert exit_code_for([130, 130]) == 130
     assert exit_code_for([-9]) == 1
 
 

@@ -38,7 +38,9 @@ def test_partial_last_global_batch_is_dropped() -> None:
     assert len(list(s)) == len(s) == 48
 
 
-def global_stream(n: int, gbs: int, world: int, seed: int, steps: int, state: dict | None = None) -> tuple[list[int], dict]:
+def global_stream(
+    n: int, gbs: int, world: int, seed: int, steps: int, state: dict | None = None
+) -> tuple[list[int], dict]:
     """Consume `steps` optimizer steps at `world` ranks; return the ids in global order and the state."""
     samplers = [ResumableDistributedSampler(n, gbs, r, world, seed) for r in range(world)]
     if state:

@@ -1,27 +1,93 @@
-"""The straggler rule, progress output and per-rank log files (no processes needed)."""
+"""The straggler detector, progress output and per-rank log files (no processes needed)."""
 
 from __future__ import annotations
 
 import io
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ddptrain.metrics import MetricsWriter, Progress
-from ddptrain.runlog import RUN_LOG, rank_log
-from ddptrain.stragglers import find_straggler
+from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.runlog import PACKAGE_LOG, ConsoleHandler, run_logging
+from ddptrain.observe.stragglers import StragglerDetector
 
-
-def test_find_straggler_names_the_slowest_rank_above_the_factor() -> None:
-    found = find_straggler([0.10, 0.11, 0.10, 0.31], factor=1.5)
-    assert found is not None and found.rank == 3
-    assert found.median == pytest.approx(0.105) and found.ratio == pytest.approx(0.31 / 0.105)
+log = logging.getLogger("ddptrain.tests")
 
 
-def test_find_straggler_quiet_below_the_factor_or_alone() -> None:
-    assert find_straggler([0.10, 0.14, 0.12], factor=1.5) is None
-    assert find_straggler([5.0], factor=1.5) is None
+@contextmanager
+def console(stream: io.StringIO) -> Iterator[None]:
+    """Rank 0's console handler, writing into stream."""
+    handler = ConsoleHandler(stream)
+    PACKAGE_LOG.addHandler(handler)
+    try:
+        yield
+    finally:
+        PACKAGE_LOG.removeHandler(handler)
+
+
+def _feed(det: StragglerDetector, per_rank: list[float], steps: int, comm: float = 0.004) -> list:
+    """steps identical steps: per_rank[r] seconds of local time on rank r."""
+    return det.add([[x] * steps for x in per_rank], [[comm] * steps for _ in per_rank])
+
+
+def test_a_slow_rank_is_named_after_confirmation_at_two_ranks() -> None:
+    det = StragglerDetector(world_size=2, window=20, factor=1.2, confirm=2)
+    assert _feed(det, [0.010, 0.010], 20) == []
+    assert _feed(det, [0.010, 0.013], 20) == []  # first strike: not yet
+    found = _feed(det, [0.010, 0.013], 10)
+    assert [(f.kind, f.rank) for f in found] == [("compute", 1)]
+    assert found[0].ratio == pytest.approx(1.3)
+
+
+def test_a_median_including_the_rank_itself_would_hide_it_the_other_ranks_do_not() -> None:
+    det = StragglerDetector(world_size=2, window=10, factor=1.5, confirm=1)
+    found = _feed(det, [0.010, 0.018], 10)  # 1.8x: the mean of both is only 1.29x below it
+    assert [f.rank for f in found] == [1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(2, 8),
+    shared=st.lists(st.floats(0.5, 4.0), min_size=30, max_size=90),
+    jitter=st.lists(st.floats(0.97, 1.03), min_size=8, max_size=8),
+)
+def test_a_slowdown_all_ranks_share_is_never_a_straggler(world: int, shared: list[float], jitter: list[float]) -> None:
+    det = StragglerDetector(world_size=world, window=20, factor=1.15, confirm=2)
+    for i, load in enumerate(shared):  # the whole machine gets slower and faster, together
+        local = [[0.01 * load * jitter[(r + i) % 8]] for r in range(world)]
+        assert all(f.kind != "compute" for f in det.add(local, [[0.004]] * world))
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(2, 8), slow=st.integers(0, 7), ratio=st.floats(1.25, 3.0))
+def test_one_slow_rank_among_any_number_is_the_one_named(world: int, slow: int, ratio: float) -> None:
+    slow %= world
+    det = StragglerDetector(world_size=world, window=20, factor=1.2, confirm=2)
+    local = [0.01 * (ratio if r == slow else 1.0) for r in range(world)]
+    found = _feed(det, local, 20) + _feed(det, local, 10)
+    assert {f.rank for f in found if f.kind == "compute"} == {slow}
+
+
+def test_trimming_ignores_a_single_hiccup() -> None:
+    det = StragglerDetector(world_size=4, window=20, factor=1.2, confirm=1, trim=2)
+    rows = [[0.01] * 20 for _ in range(4)]
+    rows[2][7] = 0.5  # one step of rank 2 descheduled for half a second
+    assert det.add(rows, [[0.004] * 20] * 4) == []
+
+
+def test_slow_communication_is_told_from_slow_compute() -> None:
+    det = StragglerDetector(world_size=4, window=10, factor=1.2, confirm=2)
+    _feed(det, [0.01] * 4, 10, comm=0.004)  # baseline
+    _feed(det, [0.01] * 4, 10, comm=0.020)
+    found = _feed(det, [0.01] * 4, 5, comm=0.020)
+    assert [(f.kind, f.rank) for f in found] == [("comm", None)]
+    assert found[0].reference == pytest.approx(0.004) and found[0].ratio == pytest.approx(5.0)
 
 
 class _Tty(io.StringIO):
@@ -32,21 +98,26 @@ class _Tty(io.StringIO):
 def test_progress_plain_lines_have_eta() -> None:
     out = io.StringIO()
     p = Progress(True, total=100, initial=0, stream=out)
-    p.update(10, {"loss": 2.5, "tokens_per_s": 12345.0, "mfu": 0.4123})
-    p.update(20, {"loss": 2.0, "tokens_per_s": 12345.0, "mfu": 0.4123})
+    with console(out):
+        p.update(10, {"loss": 2.5, "tokens_per_s": 12345.0, "mfu": 0.4123})
+        p.update(20, {"loss": 2.0, "tokens_per_s": 12345.0, "mfu": 0.4123})
+        log.warning("something odd")
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("step     10/100  loss 2.5000  tokens_per_s 12,345  mfu 41.2%")
     assert "eta" not in lines[0] and " eta " in lines[1]
+    assert lines[2] == "warning: something odd"  # the level is the caller's, shown as a prefix
 
 
 def test_progress_bar_on_a_tty_shows_fields_and_eta() -> None:
     out = _Tty()
     p = Progress(True, total=50, initial=0, stream=out)
-    p.update(10, {"loss": 2.5, "tokens_per_s": 999.0})
-    p.update(20, {"loss": 2.0, "tokens_per_s": 999.0})
-    p.message("checkpoint step 20 committed")
+    with console(out):
+        p.update(10, {"loss": 2.5, "tokens_per_s": 999.0})
+        p.update(20, {"loss": 2.0, "tokens_per_s": 999.0})
+        log.info("checkpoint step 20 committed")
     p.close()
     text = out.getvalue()
+    assert text.count("step     10/50") == 0  # with a bar, step lines go to the rank's file only
     assert "20/50" in text and "loss 2.0000" in text and "tokens_per_s 999" in text
     assert "<" in text  # tqdm's elapsed<remaining
     assert "checkpoint step 20 committed" in text
@@ -66,24 +137,34 @@ def test_progress_bar_after_a_resume_counts_only_this_process() -> None:
 
 def test_rank_log_keeps_messages_of_a_silent_rank_and_the_traceback(tmp_path: Path) -> None:
     silent = Progress(False, total=10, initial=0, stream=io.StringIO())
-    with pytest.raises(ValueError), rank_log(tmp_path, rank=7, world_size=8, hostname="node3"):
-        silent.message("warning: something odd on this rank")
+    with pytest.raises(ValueError), run_logging(tmp_path, rank=7, world_size=8, hostname="node3"):
+        log.warning("something odd on this rank")
         silent.update(3, {"loss": 1.0})
         raise ValueError("boom on rank 7")
     text = (tmp_path / "logs" / "rank-7.log").read_text()
     assert "rank 7 of 8 on node3" in text
-    assert "WARNING warning: something odd on this rank" in text
+    assert "rank 7 WARNING ddptrain.tests: something odd on this rank" in text
     assert "step      3/10  loss 1.0000" in text
     assert "ValueError: boom on rank 7" in text and "Traceback" in text
     log_file = str((tmp_path / "logs" / "rank-7.log").resolve())
-    assert all(getattr(h, "baseFilename", None) != log_file for h in RUN_LOG.handlers)  # detached afterwards
+    assert all(getattr(h, "baseFilename", None) != log_file for h in PACKAGE_LOG.handlers)  # detached afterwards
 
 
 def test_tensorboard_sink(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    w = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    from ddptrain.observe.trackers.tensorboard_sink import TensorBoardSink
+
+    w = MetricsWriter(tmp_path, enabled=True, sinks=[TensorBoardSink(tmp_path)])
     w.write("train", step=1, loss=2.0, mfu=0.3)
     w.write("ranks", step=1, local_step_s=[0.1, 0.2], hosts=["a", "b"])
     w.close()
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_cpu_contention_is_named_the_cause_only_when_waiting_for_a_cpu_explains_the_excess() -> None:
+    from ddptrain.observe.stragglers import Finding
+
+    assert Finding("compute", 1.5, seconds=0.015, reference=0.010, rank=1, cpu_wait=0.004).cpu_contention
+    assert not Finding("compute", 1.5, seconds=0.015, reference=0.010, rank=1, cpu_wait=0.001).cpu_contention
+    assert not Finding("comm", 3.0, seconds=0.012, reference=0.004, cpu_wait=0.0).cpu_contention

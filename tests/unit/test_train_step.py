@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ddptrain.trainer import NonFiniteError
-
 from helpers import make_trainer
+
+from ddptrain.errors import NonFiniteError
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -1,8 +1,9 @@
-"""Prepare a byte-level token corpus into memory-mapped train/val files.
+"""Where corpora come from and how a prepared one is found and checked.
 
 The default corpus is the Python standard library's own `.py` sources (about 12 MB on every
-machine with Python), so the first run needs no download. Bytes are the tokens (vocab 256):
-no tokenizer to train or ship, and any text file works.
+machine with Python), so the first run needs no download. Preparing is in prepare.py; a prepared
+folder holds token shards and `meta.json` (written last). Folders from before shards existed
+(`train.bin`, `val.bin`, uint8 bytes) still load.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
+from ddptrain.data.prepare import META, SPLITS, CorpusInfo, PrepareOptions, prepare_corpus
 from ddptrain.errors import DataError
 
-META = "meta.json"
-SPLITS = ("train", "val")
+__all__ = [
+    "CorpusInfo",
+    "PrepareOptions",
+    "prepare_corpus",
+    "corpus_ready",
+    "read_meta",
+    "expand_sources",
+    "stdlib_sources",
+]
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -43,73 +50,79 @@ def expand_sources(patterns: list[str]) -> list[Path]:
     return files
 
 
-@dataclass(frozen=True)
-class CorpusInfo:
-    """What `prepare` wrote."""
-
-    out_dir: Path
-    files: int
-    train_tokens: int
-    val_tokens: int
-
-
-def prepare_corpus(sources: list[Path], out_dir: Path, val_fraction: float) -> CorpusInfo:
-    """Concatenate the files' bytes, split off the last val_fraction for validation, write atomically."""
-    if not sources:
-        raise DataError("no source files to prepare")
-    digest = hashlib.sha256()
-    chunks = []
-    for path in sources:
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"cannot read {path}: {e.strerror}") from None
-        digest.update(data)
-        chunks.append(np.frombuffer(data, dtype=np.uint8))
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-    n_val = int(len(tokens) * val_fraction)
-    if len(tokens) - n_val < 1024 or n_val < 256:
-        raise DataError(f"corpus too small: {len(tokens)} bytes from {len(sources)} file(s); need at least ~8 KB")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts = {"train": tokens[: len(tokens) - n_val], "val": tokens[len(tokens) - n_val :]}
-    for split, arr in parts.items():
-        tmp = out_dir / f".{split}.bin.{os.getpid()}.tmp"
-        arr.tofile(tmp)
-        os.replace(tmp, out_dir / f"{split}.bin")
-    meta = {
-        "vocab_size": 256,
+def _legacy(meta: dict[str, Any]) -> dict[str, Any]:
+    """A pre-shard meta.json (train.bin, val.bin of bytes) in today's form."""
+    shards = {s: [{"file": f"{s}.bin", "tokens": meta[f"{s}_tokens"]}] for s in SPLITS}
+    return {
+        **meta,
+        "format": 1,
         "dtype": "uint8",
-        "files": len(sources),
-        "train_tokens": int(len(parts["train"])),
-        "val_tokens": int(len(parts["val"])),
-        "sha256": digest.hexdigest(),
+        "tokenizer": {"kind": "bytes", "file": None, "sha256": None},
+        "eos_id": None,
+        "shards": shards,
     }
-    # meta.json is written last: its presence marks a complete corpus.
-    tmp = out_dir / f".{META}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out_dir / META)
-    return CorpusInfo(out_dir, len(sources), meta["train_tokens"], meta["val_tokens"])
+
+
+def _load_meta(data_dir: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((data_dir / META).read_text())
+        return meta if "shards" in meta else _legacy(meta)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def corpus_fingerprint(meta: dict[str, Any]) -> str | None:
+    """One SHA-256 naming a prepared corpus: its tokens (each shard's SHA-256), dtype and tokenizer.
+
+    A legacy meta.json carries its own `sha256`; None when the shards' hashes are not recorded.
+    """
+    if isinstance(meta.get("sha256"), str):
+        return str(meta["sha256"])
+    try:
+        shard_hashes = [s["sha256"] for split in SPLITS for s in meta["shards"][split]]
+    except (KeyError, TypeError):
+        return None
+    if not all(isinstance(h, str) for h in shard_hashes):
+        return None
+    described = [str(meta.get("dtype")), json.dumps(meta.get("tokenizer"), sort_keys=True), *shard_hashes]
+    return hashlib.sha256("\n".join(described).encode()).hexdigest()
 
 
 def corpus_ready(data_dir: Path) -> bool:
     """True when data_dir holds a completely prepared corpus."""
-    return (data_dir / META).is_file() and all((data_dir / f"{s}.bin").is_file() for s in SPLITS)
+    meta = _load_meta(data_dir)
+    if meta is None:
+        return False
+    return all((data_dir / s["file"]).is_file() for split in SPLITS for s in meta["shards"][split])
 
 
-def read_meta(data_dir: Path) -> dict:
-    """The corpus's meta.json, checked against the files beside it."""
-    if not corpus_ready(data_dir):
+def read_meta(data_dir: Path) -> dict[str, Any]:
+    """The corpus's meta.json (legacy ones in today's form), checked against the shard files beside it."""
+    if not (data_dir / META).is_file():
         raise DataError(
-            f"no prepared corpus in {data_dir} (need meta.json, train.bin, val.bin); "
-            f"run `ddptrain prepare --out {data_dir} FILES...`"
+            f"no prepared corpus in {data_dir} (meta.json is missing); run `ddptrain prepare --out {data_dir} FILES...`"
         )
+    meta = _load_meta(data_dir)
+    malformed = DataError(f"{data_dir / META} is malformed; prepare the corpus again")
+    if not isinstance(meta, dict):
+        raise malformed
+    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}.get(meta.get("dtype", "uint8"))
+    if itemsize is None:
+        raise DataError(f"{data_dir / META}: unknown dtype {meta.get('dtype')!r}; prepare the corpus again")
     try:
-        meta = json.loads((data_dir / META).read_text())
-        sizes = {s: meta[f"{s}_tokens"] for s in SPLITS}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"{data_dir / META} is malformed ({e}); prepare the corpus again") from None
-    for split, n in sizes.items():
-        actual = (data_dir / f"{split}.bin").stat().st_size
-        if actual != n:
-            raise DataError(f"{data_dir / f'{split}.bin'} holds {actual} bytes, meta.json says {n}; prepare again")
+        for split in SPLITS:
+            for shard in meta["shards"][split]:
+                name, tokens = shard["file"], shard["tokens"]
+                if not (isinstance(name, str) and Path(name).name == name and isinstance(tokens, int)):
+                    raise malformed  # only plain file names beside meta.json: nothing read outside data.dir
+                path = data_dir / name
+                if not path.is_file():
+                    raise DataError(f"{path} is missing; prepare the corpus again")
+                if path.stat().st_size != tokens * itemsize:
+                    raise DataError(
+                        f"{path} holds {path.stat().st_size} bytes, meta.json says "
+                        f"{tokens} tokens of {itemsize} byte(s); prepare again"
+                    )
+    except (KeyError, TypeError, AttributeError):
+        raise malformed from None
     return meta

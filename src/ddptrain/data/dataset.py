@@ -1,4 +1,8 @@
-"""Memory-mapped token dataset: sample i is the i-th non-overlapping window of block_size + 1 tokens."""
+"""Memory-mapped token dataset: sample i is the i-th non-overlapping window of block_size + 1 tokens.
+
+A split's shards are read as one sequence (shards.TokenSequence), so a window may span two shards
+and the sample ids do not depend on how the corpus was cut into shards.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,25 @@ import torch
 from torch.utils.data import Dataset
 
 from ddptrain.data.corpus import read_meta
+from ddptrain.data.shards import TokenSequence
 from ddptrain.errors import DataError
 
 
-class TokenDataset(Dataset):
-    """(inputs, targets) windows over a uint8 token file; every sample has a stable integer id."""
+class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """(inputs, targets) windows over a split's token shards; every sample has a stable integer id."""
 
-    def __init__(self, path: Path, block_size: int) -> None:
-        self.path = path
+    def __init__(self, paths: list[Path], block_size: int, dtype: str = "uint8") -> None:
+        self.paths = paths
         self.block_size = block_size
-        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
+        self.tokens = TokenSequence(paths, np.dtype(dtype))
         # Windows do not overlap, so an index names one sample: the sampler's "no sample skipped
         # or repeated" is then a statement about these ids.
         self.num_samples = (len(self.tokens) - 1) // block_size
         if self.num_samples < 1:
-            raise DataError(f"{path} holds {len(self.tokens)} tokens, fewer than block_size+1={block_size + 1}")
+            raise DataError(
+                f"{paths[0].parent} holds {len(self.tokens)} tokens in this split, "
+                f"fewer than block_size+1={block_size + 1}"
+            )
 
     @property
     def tokens_per_sample(self) -> int:
@@ -35,11 +43,18 @@ class TokenDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.block_size
-        window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens.slice(start, start + self.block_size + 1).astype(np.int64))
         return window[:-1], window[1:]
+
+
+def load_split(data_dir: Path, split: str, block_size: int) -> TokenDataset:
+    """One split ('train' or 'val') of the prepared corpus in data_dir."""
+    meta = read_meta(data_dir)
+    if split not in meta["shards"]:
+        raise DataError(f"{data_dir} has no split {split!r} (it has {', '.join(meta['shards'])})")
+    return TokenDataset([data_dir / s["file"] for s in meta["shards"][split]], block_size, meta["dtype"])
 
 
 def load_token_datasets(data_dir: Path, block_size: int) -> tuple[TokenDataset, TokenDataset]:
     """The prepared corpus's train and validation datasets."""
-    read_meta(data_dir)
-    return TokenDataset(data_dir / "train.bin", block_size), TokenDataset(data_dir / "val.bin", block_size)
+    return load_split(data_dir, "train", block_size), load_split(data_dir, "val", block_size)

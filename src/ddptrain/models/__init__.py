@@ -1,16 +1,19 @@
-"""Models: the built-in GPT and the protocol for bringing your own.
+"""Models: the built-in GPT, Hugging Face transformers models, and the protocol for bringing your own.
 
 The user-model protocol
 -----------------------
 `model.target: "my_pkg.mod:build_model"` names a factory called as `build_model(**model.kwargs)`
 that returns an `nn.Module`. Each batch from your dataset is passed to it as `model(*batch)` (a
-tuple or list) or `model(**batch)` (a dict), and `forward` returns the scalar mean loss of that
-batch. Optionally the module has `flops_per_token()` (for MFU) and the train dataset a
+tuple or list) or `model(**batch)` (a dict), and `forward` returns the loss of that batch: a
+scalar tensor, a mapping with a "loss" entry, or an object with `.loss` (a transformers
+`ModelOutput`). Optionally the module has `flops_per_token()` (for MFU) and the train dataset a
 `tokens_per_sample` attribute (for tokens/s).
 
 `data.target: "my_pkg.mod:build_datasets"` names a factory called as
 `build_datasets(**data.kwargs)` returning `(train_dataset, val_dataset_or_None)`: map-style
 `torch.utils.data.Dataset`s whose items the default collate can batch.
+
+`model.hf` builds a transformers causal LM instead (models/hf.py).
 """
 
 from __future__ import annotations
@@ -18,13 +21,34 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ddptrain.config import ModelConfig
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
 from ddptrain.targets import import_target
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The built-in GPT, or the module returned by the user's factory."""
+def fit_vocab_to_data(cfg: ModelConfig, data_vocab: int | None) -> ModelConfig:
+    """The built-in GPT's config with the data's vocabulary size, unless model.vocab_size was set (and fits)."""
+    if data_vocab is None or cfg.target is not None or cfg.hf is not None:
+        return cfg
+    if "vocab_size" not in cfg.model_fields_set:
+        return cfg.model_copy(update={"vocab_size": data_vocab})
+    if cfg.vocab_size < data_vocab:
+        raise DataError(f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary ({data_vocab})")
+    return cfg
+
+
+def build_model(cfg: ModelConfig, data_vocab: int | None = None) -> nn.Module:
+    """The built-in GPT, a transformers model (model.hf), or the module returned by the user's factory."""
+    if cfg.hf is not None:
+        from ddptrain.models.hf import build_hf_model
+
+        model = build_hf_model(cfg.hf, cfg.block_size)
+        if data_vocab is not None and model.vocab_size < data_vocab:
+            raise DataError(
+                f"model.hf has a vocabulary of {model.vocab_size}, smaller than the data's ({data_vocab}); "
+                "prepare the data with the model's tokenizer or raise vocab_size"
+            )
+        return model
     if cfg.target is None:
         return GPT(cfg)
     model = import_target(cfg.target, "model.target")(**cfg.kwargs)

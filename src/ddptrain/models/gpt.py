@@ -25,7 +25,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # SDPA picks the fused flash / memory-efficient kernel where the device has one.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return out
 
 
 class Block(nn.Module):
@@ -43,7 +44,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -81,7 +83,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits: torch.Tensor = self.lm_head(self.ln_f(x))
+        return logits
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(idx)
@@ -98,7 +101,9 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
         """Sample max_new_tokens continuations of idx (B, T)."""
         for _ in range(max_new_tokens):
             logits = self.logits(idx[:, -self.cfg.block_size :])[:, -1, :] / max(temperature, 1e-5)

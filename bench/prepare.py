@@ -1,0 +1,129 @@
+"""`ddptrain prepare` with a BPE tokenizer: throughput, peak memory, and the data stall of training on it.
+
+- Throughput: `prepare_corpus` (worker processes, one per core, reading files and writing shards)
+  against the `tokenizers` library's own `encode_batch` on the same texts, already in memory, in
+  one process with all its threads. Same tokenizer (a BPE of 8192 trained once on the corpus).
+- Peak memory: a `ddptrain prepare` child on a generated corpus and on one 10x larger (the kernel's
+  ru_maxrss of the child and its workers).
+- Data stall: bench/data.py's end-to-end measurement on the BPE shards with the built-in GPT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Options, Row, interleave, summary
+from ddptrain.data.corpus import PrepareOptions, prepare_corpus, stdlib_sources
+from ddptrain.data.tokenizer import load_tokenizer_file
+
+VOCAB = 8192
+
+
+def _sources(opts: Options) -> list[Path]:
+    files = stdlib_sources()
+    return files[:40] if opts.smoke else files
+
+
+def _generated_corpus(folder: Path, megabytes: int, lines: list[str]) -> Path:
+    """megabytes files of ~1 MB, each a distinct shuffle of standard-library lines."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(megabytes):
+        random.Random(i).shuffle(lines)
+        text, size = [], 0
+        for ln in lines:
+            text.append(ln)
+            size += len(ln) + 1
+            if size > 1 << 20:
+                break
+        (folder / f"doc{i:04d}.txt").write_text("\n".join(text))
+    return folder
+
+
+def _peak_rss_mb(corpus: Path, out: Path, tokenizer: Path) -> float:
+    cmd = [sys.executable, "-m", "ddptrain", "prepare", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed")
+    return usage.ru_maxrss / 1024
+
+
+def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
+    """Throughput ratio, peak RSS at 1x and 10x, and the data stall on BPE shards."""
+    from bench import data
+
+    work = opts.work_dir / "prepare"
+    shutil.rmtree(work, ignore_errors=True)
+    files = _sources(opts)
+    bpe_dir = work / "bpe"
+    t0 = time.perf_counter()
+    info = prepare_corpus(files, bpe_dir, 0.05, PrepareOptions(tokenizer=f"train:{VOCAB}"))
+    first_s = time.perf_counter() - t0
+    tokenizer_file = bpe_dir / "tokenizer.json"
+    tokens = info.train_tokens + info.val_tokens
+    texts = [p.read_text(errors="replace") for p in files]
+    hf = load_tokenizer_file(tokenizer_file).hf
+
+    def ours() -> float:
+        t = time.perf_counter()
+        prepare_corpus(files, work / "again", 0.05, PrepareOptions(tokenizer=str(tokenizer_file)))
+        return tokens / (time.perf_counter() - t)
+
+    def library() -> float:
+        t = time.perf_counter()
+        n = sum(len(e.ids) + 1 for e in hf.encode_batch(texts, add_special_tokens=False))
+        return n / (time.perf_counter() - t)
+
+    t = interleave({"prepare": ours, "encode_batch": library}, opts)
+    ratio = summary([a / b for a, b in zip(t["prepare"], t["encode_batch"])])
+
+    lines = [ln for p in files[:20] for ln in p.read_text(errors="replace").splitlines()]
+    size = 1 if opts.smoke else 4
+    small = _generated_corpus(work / "gen-1x", size, lines)
+    large = _generated_corpus(work / "gen-10x", 10 * size, lines)
+    rss_1 = _peak_rss_mb(small, work / "out-1x", tokenizer_file)
+    rss_10 = _peak_rss_mb(large, work / "out-10x", tokenizer_file)
+
+    stall_rows, stall_data = data.run(dataclasses.replace(opts, data_dir=bpe_dir))
+    stall = next(r for r in stall_rows if r.unit == "%")
+    shutil.rmtree(work, ignore_errors=True)
+    rows = [
+        Row(
+            "prepare",
+            "tokens/s of prepare (workers) / tokenizers encode_batch (all threads)",
+            ratio,
+            "x",
+            ">= 0.8",
+            ratio["median"] >= 0.8,
+            f"prepare {summary(t['prepare'])['median']:,.0f} tokens/s, encode_batch "
+            f"{summary(t['encode_batch'])['median']:,.0f}; {len(files)} files, {tokens:,} tokens, BPE {VOCAB} "
+            f"(first prepare incl. training the BPE: {first_s:.1f} s)",
+        ),
+        Row(
+            "prepare",
+            f"peak RSS of prepare, {10 * size} MB corpus / {size} MB corpus",
+            {"median": rss_10 / rss_1, "min": rss_10 / rss_1, "max": rss_10 / rss_1, "n": 1},
+            "x",
+            "< 1.5",
+            rss_10 / rss_1 < 1.5,
+            f"{rss_1:.0f} MB at 1x, {rss_10:.0f} MB at 10x (child and its workers)",
+        ),
+        Row(
+            "prepare",
+            "end-to-end data stall on BPE shards, built-in GPT",
+            stall.stats,
+            "%",
+            "<= 1%",
+            stall.stats is not None and stall.stats["median"] <= 1,
+            stall.note,
+        ),
+    ]
+    return rows, {"tokens_per_s": t, "rss_mb": {"1x": rss_1, "10x": rss_10}, "stall": stall_data}

@@ -1,0 +1,326 @@
+"""Transactional checkpoints: a folder is either fully committed and verified, or never loaded.
+
+Layout of one checkpoint, `run.dir/checkpoints/step-00000100/` (files by the writer, writer.py):
+
+    model.pt  optimizer.pt  trainer.pt     written by rank 0 (DDP keeps them identical on all ranks)
+    rng-rank0.pt ... rng-rank{W-1}.pt      written by each rank (its own RNG streams)
+    manifest.json                          every file's SHA-256 and size, step, world size, timeline,
+                                           config, identity, and its own checksum (manifest.py)
+
+The protocol: every rank writes its files as new files under a new `.tmp-step-00000100/` (never
+through an existing name or link) and fsyncs them; the ranks agree (one all-gather) whether every
+write succeeded; only then rank 0 writes the manifest, fsyncs the folder, renames it to
+`step-00000100` (atomic on POSIX) and fsyncs the parent. A crash at any point leaves either the
+old set of committed checkpoints or the new one. Pruning follows a commit and touches only the
+current timeline (store.py). Resume verifies (verify.py), checks the config (compat.py), and
+moves checkpoints newer than its starting point into checkpoints/archive/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.checkpoint.compat import ConfigChange, check_resume
+from ddptrain.checkpoint.durable import fsync_dir, write_durable
+from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manifest, checkpoint_name, step_of
+from ddptrain.checkpoint.policy import SavePolicy, SaveResult
+from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
+from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
+from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter, RankZeroTorchWriter
+from ddptrain.config import CkptConfig
+from ddptrain.dist import DistContext
+from ddptrain.errors import CheckpointError
+from ddptrain.safe_files import refuse_symlink
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor on the CPU: the snapshot an async save writes from."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from, and how the config differs from the one it was saved with."""
+
+    checkpoint: VerifiedCheckpoint
+    changes: list[ConfigChange] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Saves and finds checkpoints for one run; all ranks call setup(), then find_resume() and save() together.
+
+    config: the resolved config (stored in every manifest, compared at resume). identity: what resume
+    must agree with beyond the config (compat.run_identity); None skips those checks.
+    """
+
+    def __init__(
+        self,
+        cfg: CkptConfig,
+        run_dir: Path,
+        ctx: DistContext,
+        config: dict[str, Any],
+        identity: dict[str, Any] | None = None,
+        writer: CheckpointWriter | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dir = run_dir / "checkpoints"
+        self.ctx = ctx
+        self.config = config
+        self.identity = identity or {}
+        self.writer: CheckpointWriter = writer or RankZeroTorchWriter()
+        self.policy = SavePolicy(cfg)
+        self.timeline = uuid.uuid4().hex  # replaced by the resumed checkpoint's (find_resume)
+        self._thread: threading.Thread | None = None
+        self._done: list[SaveResult] = []
+        self._group: dist.ProcessGroup | None = None
+        self._known_good: set[str] = set()  # folders this process committed or verified (rank 0)
+
+    def setup(self) -> None:
+        """All ranks together: the checkpoint's own process group; rank 0 removes stale temp folders.
+
+        Run under the run folder's lease (run.build_run): no other live run writes temp folders here.
+        """
+        # Saves coordinate on a gloo group of their own: an async save's collectives run in a
+        # background thread and must never interleave with the training loop's.
+        if self.ctx.is_distributed:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
+        if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
+            for stale in self.dir.glob(f"{TMP_PREFIX}*"):
+                if stale.is_symlink() or not stale.is_dir():
+                    stale.unlink()  # a planted link: remove the link, never what it points at
+                else:
+                    shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
+
+    # ---- the policy the Trainer asks ------------------------------------------------------
+
+    def due(self, step: int, final: bool = False, stop: bool = False) -> bool:
+        """Whether every rank saves after `step` (ckpt.every_steps, the final step, a coordinated stop)."""
+        return self.policy.due(step, final, stop)
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, shared: dict[str, Any], local: dict[str, Any]) -> None:
+        """Checkpoint `step`. shared: rank-0 objects (one file each); local: this rank's objects.
+
+        A synchronous save is committed (or failed) when this returns. An async save first waits
+        for the previous one (a save never starts before the previous commit), snapshots the
+        state to the CPU and returns; the write runs in a background thread. Results are read
+        with finished(), which every rank calls at the same step so that all agree.
+        """
+        t0 = time.perf_counter()
+        if not self.cfg.async_save:
+            result = self._write_and_commit(step, shared, local, t0)
+            result.blocked_s = result.total_s
+            self._done.append(result)
+            return
+        self.wait()
+        snapshot = (_to_cpu(shared) if self.ctx.is_main else {}, _to_cpu(local))
+        blocked = time.perf_counter() - t0
+
+        def work() -> None:
+            result = self._write_and_commit(step, snapshot[0], snapshot[1], t0)
+            result.blocked_s = blocked
+            self._done.append(result)
+
+        self._thread = threading.Thread(target=work, name=f"ckpt-save-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until an in-flight async save is committed or failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def finished(self) -> list[SaveResult]:
+        """Results of the saves that completed since the last call, oldest first."""
+        done, self._done = self._done, []
+        return done
+
+    def _agree(self, mine: tuple[str | None, dict[str, FileEntry]]) -> list[tuple[str | None, dict[str, FileEntry]]]:
+        if self._group is None:
+            return [mine]
+        out: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(out, mine, group=self._group)
+        return out
+
+    def _make_tmp(self, tmp: Path) -> None:
+        """The temp folder: created here, or (another rank's) a real folder; never a link."""
+        refuse_symlink(self.dir.parent)
+        refuse_symlink(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            if tmp.is_symlink() or not tmp.is_dir():
+                raise OSError(17, "a planted file or link has the temp folder's name", str(tmp)) from None
+            if self.ctx.world_size == 1:
+                raise OSError(17, "the temp folder exists already (another writer?)", str(tmp)) from None
+
+    def _write_and_commit(self, step: int, shared: dict[str, Any], local: dict[str, Any], t0: float) -> SaveResult:
+        tmp = self.dir / f"{TMP_PREFIX}{step:08d}"
+        final = self.dir / checkpoint_name(step)
+        error: str | None = None
+        entries: dict[str, FileEntry] = {}
+        try:
+            self._make_tmp(tmp)
+            entries = self.writer.write(tmp, self.ctx.rank, shared if self.ctx.is_main else {}, local)
+        except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
+        results = self._agree((error, entries))
+        errors = [e for e, _ in results if e]
+        committed_error: str | None = "; ".join(errors) if errors else None
+        if self.ctx.is_main:
+            if committed_error is None:
+                committed_error = self._commit(step, tmp, final, results)
+            if committed_error is not None and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+        committed_error = self._broadcast(committed_error)
+        if committed_error is None and self.ctx.is_main:
+            self._known_good.add(final.name)
+            prune(self.dir, self.timeline, step, self.cfg.keep, self._known_good)
+        return SaveResult(
+            step,
+            committed_error is None,
+            committed_error,
+            0.0,
+            time.perf_counter() - t0,
+            final if committed_error is None else None,
+        )
+
+    def _commit(
+        self, step: int, tmp: Path, final: Path, results: list[tuple[str | None, dict[str, FileEntry]]]
+    ) -> str | None:
+        files: dict[str, FileEntry] = {}
+        for _, entries in results:
+            files.update(entries)
+        manifest = Manifest(
+            step, self.ctx.world_size, self.timeline, self.writer.name, time.time(), files, self.config, self.identity
+        )
+        try:
+            write_durable(tmp / MANIFEST, manifest.to_bytes())
+            fsync_dir(tmp)
+            if final.exists() or final.is_symlink():  # never replaced silently: kept in the archive
+                archive(self.dir, [final], f"replaced-step-{step}")
+            os.rename(tmp, final)
+            fsync_dir(self.dir)
+        except OSError as e:
+            return f"rank 0 on {self.ctx.hostname}: {e.strerror or e} while committing {final.name}"
+        return None
+
+    def _broadcast(self, value: str | None) -> str | None:
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    # ---- resuming -----------------------------------------------------------------------
+
+    def find_resume(self, warn: Callable[[str], None]) -> ResumePoint | None:
+        """The checkpoint to resume from by ckpt.resume, verified and config-checked; None to start fresh.
+
+        Rank 0 decides and every rank receives its decision, so all ranks load the same one.
+        """
+        decision: tuple[Any, ...] = (None, None, [], self.timeline, None)
+        if self.ctx.is_main:
+            try:
+                found = self._choose(warn)
+                decision = (
+                    (str(found.checkpoint.path), found.checkpoint.manifest, found.changes, self.timeline, None)
+                    if found
+                    else (None, None, [], self.timeline, None)
+                )
+            except CheckpointError as e:
+                decision = (None, None, [], self.timeline, str(e))
+        if self.ctx.is_distributed:
+            box = [decision]
+            dist.broadcast_object_list(box, src=0)
+            decision = box[0]
+        path, manifest, changes, self.timeline, error = decision
+        if error:
+            raise CheckpointError(error)
+        if path is None:
+            return None
+        self.policy.newest_committed = manifest.step
+        return ResumePoint(VerifiedCheckpoint(Path(path), manifest), changes)
+
+    def read(self, ckpt: VerifiedCheckpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(shared, local) state of this rank from a verified checkpoint; local None at a new world size."""
+        writer = WRITERS.get(ckpt.manifest.writer)
+        if writer is None:
+            raise CheckpointError(f"{ckpt.path.name}: written by an unknown writer {ckpt.manifest.writer!r}")
+        return writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+
+    def _inside_own_folder(self, path: Path) -> bool:
+        return path.parent.resolve() == self.dir.resolve()
+
+    def _choose(self, warn: Callable[[str], None]) -> ResumePoint | None:
+        if self.dir.is_symlink():
+            raise CheckpointError(
+                f"{self.dir} is a symbolic link; ddptrain never writes through links inside run.dir: "
+                "make it a real folder (or point run.dir itself elsewhere)"
+            )
+        existing = committed_checkpoints(self.dir)
+        if self.cfg.resume == "never":
+            self._clear_for_fresh_start(existing, warn)
+            return None
+        if self.cfg.resume == "auto":
+            if not existing:
+                return None
+            ckpt = search(existing, warn)
+            if ckpt is None:
+                raise CheckpointError(
+                    f"all {len(existing)} checkpoint(s) in {self.dir} failed verification; refusing to start over "
+                    "silently. Move them away, or start fresh with ckpt.resume=never ckpt.existing=archive"
+                )
+        else:
+            explicit = Path(self.cfg.resume)
+            if explicit.is_symlink() or not explicit.is_dir():
+                raise CheckpointError(f"ckpt.resume={self.cfg.resume!r}: no such checkpoint folder")
+            ckpt = verify_checkpoint(explicit)
+        changes = check_resume(ckpt.path.name, ckpt.manifest.config, ckpt.manifest.identity, self.config, self.identity)
+        if not self._inside_own_folder(ckpt.path):
+            self._clear_for_fresh_start(existing, warn)  # another folder's checkpoint starts a new timeline here
+            return ResumePoint(ckpt, changes)
+        newer = [p for p in existing if (step_of(p.name) or 0) > ckpt.step]
+        if newer:
+            moved = archive(self.dir, newer, f"after-step-{ckpt.step}")
+            warn(
+                f"warning: resuming from step {ckpt.step}: {len(newer)} newer checkpoint folder(s) "
+                f"({', '.join(p.name for p in newer[:3])}) moved to {moved} so the run never returns to them"
+            )
+        self.timeline = ckpt.manifest.timeline
+        self._known_good.add(ckpt.path.name)
+        return ResumePoint(ckpt, changes)
+
+    def _clear_for_fresh_start(self, existing: list[Path], warn: Callable[[str], None]) -> None:
+        """A fresh timeline in a folder holding checkpoints: refused, unless ckpt.existing=archive."""
+        if not existing:
+            return
+        if self.cfg.existing != "archive":
+            raise CheckpointError(
+                f"ckpt.resume={self.cfg.resume} but {self.dir} already holds {len(existing)} checkpoint(s) "
+                f"(newest {existing[0].name}), which a fresh run would mix with its own; train into a new folder "
+                "(run.name=NEW_NAME), or add ckpt.existing=archive to move them to checkpoints/archive/ first"
+            )
+        moved = archive(self.dir, existing, "before-fresh-start")
+        warn(f"warning: {len(existing)} existing checkpoint(s) moved to {moved} (ckpt.existing=archive)")

@@ -1,0 +1,66 @@
+"""Durable, hashed, link-refusing writes: the bytes of a checkpoint file hashed as they stream out."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ddptrain.checkpoint.manifest import FileEntry
+from ddptrain.safe_files import open_new_no_follow
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so that the names created or renamed in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through: torch.save streams into the file and the
+    SHA-256 comes for free, with no second in-memory copy of the state and no re-read."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            self.f.write(data)
+        except OSError as e:
+            self.error = e  # torch's zip writer reports only "unexpected pos": keep the real cause
+            raise
+        self.sha256.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_durable(path: Path, obj: Any) -> FileEntry:
+    """Write obj (bytes as they are, anything else through torch.save) into a NEW file, fsync it.
+
+    The file must not exist yet, as anything, a symbolic link included: a save never writes
+    through a name it did not create.
+    """
+    with open_new_no_follow(path) as f:
+        writer = _HashingWriter(f)
+        if isinstance(obj, bytes):
+            writer.write(obj)
+        else:
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(writer.sha256.hexdigest(), writer.size)

@@ -1,0 +1,137 @@
+"""`ddptrain export --format hf`: a checkpoint as a folder `transformers.AutoModelForCausalLM` loads.
+
+A `model.hf` model is written with its own `save_pretrained`. The built-in GPT maps exactly onto
+transformers' GPT-2: learned position embeddings, pre-norm blocks, LayerNorm eps 1e-5, tanh-GELU
+(GPT-2's `gelu_new`), fused q/k/v in that order, tied output embedding. Two differences are
+bridged: GPT-2's Conv1D layers store weights as (in, out), the transpose of nn.Linear, and GPT-2
+always has biases, so a bias-free GPT exports zero biases (the same function). The data's
+tokenizer goes into the folder too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ddptrain.config import ModelConfig
+from ddptrain.data.corpus import read_meta
+from ddptrain.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, byte_tokenizer_json, require_hf
+from ddptrain.errors import ConfigError, DataError
+
+# (ours, GPT-2's, transposed): transposed marks nn.Linear weights that GPT-2 keeps in Conv1D.
+_BLOCK_MAP = (
+    ("ln1", "ln_1", False),
+    ("attn.qkv", "attn.c_attn", True),
+    ("attn.proj", "attn.c_proj", True),
+    ("ln2", "ln_2", False),
+    ("mlp.0", "mlp.c_fc", True),
+    ("mlp.2", "mlp.c_proj", True),
+)
+
+
+def gpt2_config(cfg: ModelConfig, eos_id: int | None) -> Any:
+    """The transformers GPT2Config computing the same function as the built-in GPT of cfg."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def gpt_to_gpt2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The built-in GPT's state dict under GPT-2's names and layouts."""
+    out = {
+        "transformer.wte.weight": state["wte.weight"],
+        "transformer.wpe.weight": state["wpe.weight"],
+        "lm_head.weight": state["wte.weight"],
+    }
+    for i in range(cfg.n_layer):
+        for ours, theirs, transposed in _BLOCK_MAP:
+            w = state[f"blocks.{i}.{ours}.weight"]
+            out[f"transformer.h.{i}.{theirs}.weight"] = w.t().contiguous() if transposed else w
+            out[f"transformer.h.{i}.{theirs}.bias"] = state.get(f"blocks.{i}.{ours}.bias", torch.zeros(w.shape[0]))
+    out["transformer.ln_f.weight"] = state["ln_f.weight"]
+    out["transformer.ln_f.bias"] = state.get("ln_f.bias", torch.zeros_like(state["ln_f.weight"]))
+    return out
+
+
+def gpt2_to_gpt(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of gpt_to_gpt2 (for model.init_from a GPT-2 folder); biases are dropped when cfg.bias is off."""
+    out = {"wte.weight": state["transformer.wte.weight"], "wpe.weight": state["transformer.wpe.weight"]}
+    for i in range(cfg.n_layer):
+        for ours, theirs, transposed in _BLOCK_MAP:
+            w = state[f"transformer.h.{i}.{theirs}.weight"]
+            out[f"blocks.{i}.{ours}.weight"] = w.t().contiguous() if transposed else w
+            if cfg.bias:
+                out[f"blocks.{i}.{ours}.bias"] = state[f"transformer.h.{i}.{theirs}.bias"]
+    out["ln_f.weight"] = state["transformer.ln_f.weight"]
+    if cfg.bias:
+        out["ln_f.bias"] = state["transformer.ln_f.bias"]
+    return out
+
+
+def _data_tokenizer(data_dir: Path, out: Path) -> str:
+    """Write the data's tokenizer into out as transformers files; a line saying what was written."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        meta = read_meta(data_dir)
+    except DataError as e:
+        return f"no tokenizer written ({e})"
+    if meta["tokenizer"]["file"]:
+        source = data_dir / meta["tokenizer"]["file"]
+        eos = EOS_TOKEN
+    else:
+        source = byte_tokenizer_json(out / TOKENIZER_FILE)
+        eos = None
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=eos, bos_token=eos)
+    tokenizer.save_pretrained(str(out))
+    return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']})"
+
+
+def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, out: Path) -> str:
+    """Write model (built from model_cfg, weights loaded) to out for transformers; a summary line."""
+    require_hf("export --format hf")
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one summary line instead of tqdm bars on stderr
+
+    from ddptrain.models.gpt import GPT
+    from ddptrain.models.hf import HFCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    eos_id = None
+    if data_dir is not None and (data_dir / "meta.json").is_file():
+        eos_id = read_meta(data_dir).get("eos_id")
+    if isinstance(model, HFCausalLM):
+        model.hf.save_pretrained(str(out))
+        kind = f"transformers {type(model.hf).__name__}"
+    elif isinstance(model, GPT):
+        gpt2 = GPT2LMHeadModel(gpt2_config(model_cfg, eos_id))
+        result = gpt2.load_state_dict(gpt_to_gpt2(model.state_dict(), model_cfg), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ConfigError(
+                f"GPT-2 mapping incomplete: missing {result.missing_keys[:4]}, unexpected {result.unexpected_keys[:4]}"
+            )
+        gpt2.save_pretrained(str(out))
+        kind = "GPT-2 (GPT2LMHeadModel) mapped from the built-in GPT"
+    else:
+        raise ConfigError(f"--format hf exports the built-in GPT and model.hf models, not {type(model).__name__}")
+    tok = _data_tokenizer(data_dir, out) if data_dir is not None else "no tokenizer (data.target run)"
+    return f"{kind}; {tok}"

@@ -1,0 +1,112 @@
+"""Documents to prepare, cut into small tasks that worker processes read and tokenize themselves.
+
+A text file is one document. A `.jsonl` file holds one document per line, in a named string
+field. The main process never reads document text: it only lists files and, for a large JSON
+Lines file, finds line boundaries near fixed byte offsets. So its memory does not depend on the
+corpus size, and the tasks (hence the shards) are the same on every run over the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddptrain.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl",)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A whole text file (end = -1) or the byte range [start, end) of whole lines of a JSON Lines file."""
+
+    path: Path
+    start: int = 0
+    end: int = -1
+
+
+@dataclass(frozen=True)
+class Task:
+    """Consecutive pieces, about task_bytes of input, tokenized together by one worker."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+
+
+def is_jsonl(path: Path) -> bool:
+    """True for files read as JSON Lines."""
+    return path.suffix in JSONL_SUFFIXES
+
+
+def _jsonl_pieces(path: Path, size: int, task_bytes: int) -> Iterator[Piece]:
+    start = 0
+    with open(path, "rb") as f:
+        while start < size:
+            f.seek(min(start + task_bytes, size))
+            if start + task_bytes < size:
+                f.readline()  # to the end of the line the cut fell in
+            end = min(f.tell(), size)
+            yield Piece(path, start, end)
+            start = end
+
+
+def plan_tasks(files: list[Path], task_bytes: int) -> Iterator[Task]:
+    """Tasks over the files in order: small files grouped, large JSON Lines files split at line ends."""
+    group: list[Piece] = []
+    group_bytes = 0
+    index = 0
+    for path in files:
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror}") from None
+        pieces = list(_jsonl_pieces(path, size, task_bytes)) if is_jsonl(path) else [Piece(path)]
+        for piece in pieces:
+            group.append(piece)
+            group_bytes += (piece.end - piece.start) if piece.end >= 0 else size
+            if group_bytes >= task_bytes:
+                yield Task(index, tuple(group))
+                index += 1
+                group, group_bytes = [], 0
+    if group:
+        yield Task(index, tuple(group))
+
+
+def read_documents(piece: Piece, jsonl_field: str) -> Iterator[bytes]:
+    """The documents of one piece, as UTF-8 bytes (text files exactly as stored)."""
+    try:
+        if not is_jsonl(piece.path):
+            yield piece.path.read_bytes()
+            return
+        with open(piece.path, "rb") as f:
+            f.seek(piece.start)
+            data = f.read(piece.end - piece.start)
+    except OSError as e:
+        raise DataError(f"cannot read {piece.path}: {e.strerror}") from None
+    offset = piece.start
+    for line in data.splitlines(keepends=True):
+        if line.strip():
+            yield _jsonl_text(line, piece.path, offset, jsonl_field).encode("utf-8")
+        offset += len(line)
+
+
+def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: invalid JSON in the line at byte {offset}: {e.msg}") from None
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --jsonl-field)")
+    return text
+
+
+def iter_documents(files: list[Path], jsonl_field: str) -> Iterator[bytes]:
+    """Every document of the files, in order, one at a time (for training a tokenizer)."""
+    for path in files:
+        size = path.stat().st_size
+        pieces = _jsonl_pieces(path, size, 1 << 24) if is_jsonl(path) else [Piece(path)]
+        for piece in pieces:
+            yield from read_documents(piece, jsonl_field)

@@ -1,0 +1,1 @@
+"""Launching: the torchrun-based launcher and job generators for SLURM and Kubernetes."""

@@ -1,0 +1,301 @@
+"""`ddptrain slurm`: an sbatch script that runs one `ddptrain launch` per node and survives preemption.
+
+The script (see docs/clusters.md for a generated one) asks SLURM for `--signal=B:USR1@N` and
+`--requeue`. SLURM sends USR1 to the batch shell N seconds before the time limit (or an operator
+sends it with `scancel --signal=USR1 --batch`); the shell forwards it to the job step, every node's
+launcher stops all ranks at one step, commits a checkpoint and exits 75. The shell then requeues
+its own job; the requeued job (same job id, so the same rendezvous id) resumes from the newest
+checkpoint in the same run.dir. Exit 2 (bad input) is final: the same input would fail again.
+Any other non-zero exit is a crash: requeued at most `max_requeues` times (counted in a file in
+run.dir, so preemptions do not use up the budget).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddptrain.checks import text_arg
+from ddptrain.config import Config
+from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
+from ddptrain.launch.jobspec import (
+    EXIT_USAGE,
+    check_batch_split,
+    check_procs_vs_gpus,
+    check_stop_window,
+    launch_argv,
+    stop_budget_s,
+    worker_stop_s,
+)
+from ddptrain.launch.options import option
+from ddptrain.launch.quantities import slurm_mem_mb
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+# Per rank unless given, as for `ddptrain k8s`: CPUs for the rank and its data loading, memory (MB).
+CPUS_PER_PROC = 4
+MEM_GB_PER_PROC = 16
+# Without --rdzv-port the port is derived from the job id, so two jobs whose first node is the same
+# machine do not collide: PORT_BASE + job id % PORT_SPAN, below Linux's ephemeral range (32768-).
+PORT_BASE, PORT_SPAN = 10000, 20000
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The resources and policies of one sbatch job (one launcher task per node); each field is an option."""
+
+    nodes: int = option(1, "nodes (one `ddptrain launch` each)")
+    gpus_per_node: int = option(0, "GPUs per node (0: CPU only)")
+    nproc_per_node: int | None = option(None, "ranks per node (default: --gpus-per-node, else 1)", parse=int)
+    cpus_per_node: int | None = option(
+        None, f"CPUs for each node's launcher and its ranks (default {CPUS_PER_PROC} per rank)", parse=int
+    )
+    mem: str | None = option(None, f"memory per node, e.g. 64G (default {MEM_GB_PER_PROC}G per rank; 0: all of it)")
+    time: str | None = option(None, "time limit, e.g. 24:00:00 (default: the partition's)")
+    partition: str | None = option(None, "SLURM partition")
+    account: str | None = option(None, "SLURM account")
+    job_name: str | None = option(None, "job name (default ddptrain-<run.name>)")
+    signal_s: int = option(180, "USR1 this long before the time limit", flag="--signal-seconds")
+    max_requeues: int = option(3, "requeues after crashes (preemptions are not counted)")
+    max_restarts: int = option(3, "in-job worker-group restarts per launch (torchrun)")
+    rdzv_port: int | None = option(
+        None, f"rendezvous port on the first node (default {PORT_BASE} + job id mod {PORT_SPAN})", parse=int
+    )
+    step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
+    save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
+    python: str = option(sys.executable, "interpreter on the nodes (default: this one)")
+    extra_sbatch: tuple[str, ...] = option(
+        (), "extra #SBATCH directive, e.g. --qos=high (repeatable)", flag="--sbatch-arg", repeat=True
+    )
+
+    @property
+    def procs(self) -> int:
+        """Ranks per node: as given, else one per GPU, else one."""
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    def cpus(self) -> int:
+        """CPUs per node (one task per node, so --cpus-per-task)."""
+        return self.cpus_per_node or CPUS_PER_PROC * self.procs
+
+    def memory(self) -> str:
+        """Memory per node as SLURM's --mem."""
+        return self.mem or f"{MEM_GB_PER_PROC * self.procs}G"
+
+    def validate(self, cfg: Config) -> None:
+        """Refuse, before anything is submitted, what SLURM would reject late or what breaks training or requeue."""
+        texts = {
+            "--sbatch-arg": self.extra_sbatch,
+            "--mem": (self.mem,),
+            "--time": (self.time,),
+            "--partition": (self.partition,),
+            "--account": (self.account,),
+            "--job-name": (self.job_name,),
+            "--python": (self.python,),
+        }
+        for flag, values in texts.items():
+            for value in filter(None, values):
+                text_arg(flag, value)  # a newline would start a shell line of its own in the script
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
+        if self.cpus_per_node is not None and self.cpus_per_node < 1:
+            raise ConfigError(f"--cpus-per-node must be >= 1, got {self.cpus_per_node}")
+        if self.nproc_per_node is not None:
+            if self.nproc_per_node < 1:
+                raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node}")
+            check_procs_vs_gpus(self.nproc_per_node, self.gpus_per_node)
+        check_batch_split(cfg, range(self.nodes, self.nodes + 1), self.procs)
+        if self.cpus() < self.procs:
+            raise ConfigError(f"--cpus-per-node {self.cpus()} is fewer than the {self.procs} ranks per node")
+        if self.mem != "0":
+            slurm_mem_mb(self.memory())
+        if self.time is not None:
+            m = _TIME.match(self.time)
+            if not m or not any(int(g) for g in m.groups() if g):
+                raise ConfigError(f"--time {self.time!r} is not a SLURM time (MM, HH:MM:SS or D-HH:MM:SS, above 0)")
+        if self.max_requeues < 0 or self.max_restarts < 0:
+            raise ConfigError("--max-requeues and --max-restarts must be >= 0")
+        if self.rdzv_port is not None and not 0 < self.rdzv_port < 65536:
+            raise ConfigError(f"--rdzv-port {self.rdzv_port} is not a TCP port")
+        for arg in self.extra_sbatch:
+            if not arg.startswith("-"):
+                raise ConfigError(f"--sbatch-arg {arg!r} must be one option starting with '-'")
+        check_stop_window(self.signal_s, stop_budget_s(self.step_s, self.save_s), "--signal-seconds")
+
+
+def _bash_word(arg: str) -> str:
+    """Quote one argument for bash, except `$NAME` references, which are expanded (double-quoted)."""
+    return f'"{arg}"' if re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", arg) else shlex.quote(arg)
+
+
+def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> str:
+    """The sbatch script text for this config and job."""
+    job.validate(cfg)
+    run_dir = (workdir / cfg.run_dir).resolve()
+    name = job.job_name or f"ddptrain-{cfg.run.name}"
+    directives = [
+        f"--job-name={name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",  # one `ddptrain launch` per node; it starts the ranks itself
+        f"--cpus-per-task={job.cpus()}",
+        f"--mem={job.memory()}",
+    ]
+    if job.gpus_per_node:
+        directives.append(f"--gpus-per-node={job.gpus_per_node}")
+    for flag, value in (("time", job.time), ("partition", job.partition), ("account", job.account)):
+        if value:
+            directives.append(f"--{flag}={value}")
+    directives += [
+        f"--chdir={workdir.resolve()}",
+        f"--output={run_dir}/slurm/%x-%j.out",
+        "--open-mode=append",  # a requeued job appends to the same log
+        f"--signal=B:USR1@{job.signal_s}",
+        "--requeue",
+        *job.extra_sbatch,
+    ]
+    argv = launch_argv(
+        nnodes=str(job.nodes),
+        nproc_per_node=str(job.procs),
+        endpoint="$RDZV_ENDPOINT",
+        run_id="$SLURM_JOB_ID",
+        node_addr="$addr",
+        max_restarts=job.max_restarts,
+        shutdown_s=worker_stop_s(job.step_s, job.save_s),
+        config_path=str(config_path),
+    )
+    node_cmd = (
+        'addr=$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2); '
+        + "exec "
+        + " ".join(_bash_word(a) for a in [job.python, "-m", "ddptrain", *argv])
+    )
+    header = "\n".join(f"#SBATCH {d}" for d in directives)
+    port = str(job.rdzv_port) if job.rdzv_port else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
+    return _TEMPLATE.format(
+        header=header,
+        run=cfg.run.name,
+        run_dir=shlex.quote(str(run_dir)),
+        max_requeues=job.max_requeues,
+        port=port,
+        nodes=job.nodes,
+        node_cmd=shlex.quote(node_cmd),
+        preempted=EXIT_PREEMPTED,
+        usage=EXIT_USAGE,
+        # srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): without it each
+        # node's launcher and all its ranks would share one CPU.
+        srun_cpus=f" --cpus-per-task={job.cpus()}",
+    )
+
+
+_TEMPLATE = """\
+#!/bin/bash
+# Generated by `ddptrain slurm` for run {run}. Submit with: sbatch THIS_FILE
+{header}
+
+# Preemption (USR1, forwarded below) makes every node commit a checkpoint and exit {preempted};
+# this script then requeues the job, which resumes from the newest checkpoint (ckpt.resume=auto).
+# Bad input (exit {usage}) is never requeued; crashes (any other non-zero exit) at most MAX_REQUEUES times.
+set -u
+RUN_DIR={run_dir}
+MAX_REQUEUES={max_requeues}
+CRASHES_FILE="$RUN_DIR/slurm/crashes-$SLURM_JOB_ID"
+
+# The first node of the allocation hosts the rendezvous; use its SLURM NodeAddr so that no
+# hostname has to resolve. The rendezvous id is the job id, which a requeued job keeps; so is the
+# port (derived from it unless fixed), so two jobs whose first node is the same machine do not collide.
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)
+RDZV_PORT={port}
+export RDZV_ENDPOINT="$HEAD_ADDR:$RDZV_PORT"
+echo "ddptrain-slurm: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, rendezvous $RDZV_ENDPOINT, $(date -u +%FT%T.%3N%:z)"
+
+# The step runs in the background so that bash can run the USR1 trap while it waits.
+step_pid=""
+interrupted=0
+forward_usr1() {{
+    interrupted=1
+    echo "ddptrain-slurm: USR1 received at $(date -u +%FT%T.%3N%:z), forwarding to the job step"
+    [ -n "$step_pid" ] && kill -USR1 "$step_pid"
+}}
+trap forward_usr1 USR1
+
+srun --nodes={nodes} --ntasks-per-node=1{srun_cpus} --kill-on-bad-exit=0 bash -c {node_cmd} &
+step_pid=$!
+while :; do
+    interrupted=0
+    wait "$step_pid"
+    rc=$?
+    [ "$interrupted" = 1 ] || break  # a trap interrupted wait: the step is still running
+done
+
+if [ "$rc" = 0 ]; then
+    echo "ddptrain-slurm: training finished"
+    exit 0
+fi
+if [ "$rc" = {preempted} ]; then
+    echo "ddptrain-slurm: preempted, checkpoint committed; requeueing job $SLURM_JOB_ID at $(date -u +%FT%T.%3N%:z)"
+    scontrol requeue "$SLURM_JOB_ID" && exit {preempted}
+    echo "ddptrain-slurm: scontrol requeue failed; resubmit this script to resume" >&2
+    exit {preempted}
+fi
+if [ "$rc" = {usage} ]; then
+    echo "ddptrain-slurm: bad input (exit code {usage}, the error is above); not requeued" >&2
+    exit "$rc"
+fi
+crashes=$(( $(cat "$CRASHES_FILE" 2>/dev/null || echo 0) + 1 ))
+echo "$crashes" > "$CRASHES_FILE"
+if [ "$crashes" -le "$MAX_REQUEUES" ]; then
+    echo "ddptrain-slurm: step failed with exit code $rc; requeueing (requeue $crashes of at most $MAX_REQUEUES after crashes)"
+    scontrol requeue "$SLURM_JOB_ID" && exit "$rc"
+fi
+echo "ddptrain-slurm: step failed with exit code $rc after $((crashes - 1)) requeues; giving up" >&2
+exit "$rc"
+"""
+
+
+def submission_dir(run_dir: Path) -> Path:
+    """A new folder run.dir/slurm/<UTC time>-<random> for one submission's frozen config and script."""
+    slurm_dir = run_dir / "slurm"
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(10):
+        folder = slurm_dir / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        try:
+            folder.mkdir()  # never an existing one: a queued job's config is never rewritten
+            return folder
+        except FileExistsError:
+            continue
+    raise LaunchError(f"could not create a new submission folder in {slurm_dir}")
+
+
+def write_script(cfg: Config, job: SlurmJob, out: Path | None = None) -> Path:
+    """Freeze the config into a new run.dir/slurm/<submission>/config.yaml and write the sbatch script.
+
+    Each generation gets its own folder, so a job that is queued or requeued keeps the config it was
+    submitted with, whatever is generated for the same run later. Nothing is written if the job is invalid.
+    """
+    workdir = Path.cwd()
+    job.validate(cfg)
+    folder = submission_dir((workdir / cfg.run_dir).resolve())
+    config_path = folder / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    config_path.chmod(0o444)
+    script = out or folder / "job.sbatch"
+    script.write_text(render_script(cfg, job, config_path, workdir))
+    script.chmod(0o755)
+    return script
+
+
+def submit(script: Path) -> str:
+    """`sbatch --parsable SCRIPT`; returns the job id."""
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise LaunchError("sbatch not found: run `ddptrain slurm --submit` on a SLURM login node") from None
+    if proc.returncode != 0:
+        raise LaunchError(f"sbatch rejected {script}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip().split(";")[0]

@@ -1,0 +1,102 @@
+"""Hugging Face `transformers` causal LMs as a model source (`model.hf`), built offline.
+
+The model comes from transformers' Auto classes: from a config (a local folder with config.json,
+or an inline mapping with model_type) with fresh weights, or from a local `save_pretrained`
+folder with its weights. Nothing touches the network: the hub is switched to offline mode and
+every load is local_files_only.
+
+`HFCausalLM` adapts it to the trainer's batches: (inputs, targets) windows of the token corpus,
+targets already shifted by one, so the loss is plain cross-entropy over every position (the
+model's own `labels` path would shift again and drop one position per window).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddptrain.config import HFModelConfig
+from ddptrain.data.tokenizer import require_hf
+from ddptrain.errors import ConfigError
+
+
+class HFCausalLM(nn.Module):
+    """forward(idx, targets) -> mean cross-entropy of a transformers causal LM held as `.hf`."""
+
+    def __init__(self, hf: Any, block_size: int) -> None:
+        super().__init__()
+        self.hf: Any = hf  # a transformers PreTrainedModel (untyped here: transformers is optional)
+        self.block_size = block_size
+
+    @property
+    def text_config(self) -> Any:
+        """The (text part of the) transformers config."""
+        config: Any = self.hf.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding: the largest token id + 1 the model can predict."""
+        return int(self.hf.get_output_embeddings().weight.shape[0])
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for every position of idx (B, T)."""
+        logits: torch.Tensor = self.hf(input_ids=idx, use_cache=False).logits
+        return logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N (N without input/position embeddings) plus attention 12*L*H*T."""
+        output = self.hf.get_output_embeddings().weight
+        lookups = {id(m.weight) for m in self.hf.modules() if isinstance(m, nn.Embedding)} - {id(output)}
+        n = sum(p.numel() for p in self.hf.parameters() if id(p) not in lookups)
+        c = self.text_config
+        return float(6 * n + 12 * c.num_hidden_layers * c.hidden_size * self.block_size)
+
+
+def _offline() -> None:
+    # Set before transformers reads them: any attempt to reach the hub fails at once instead of hanging.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _local_folder(path: str, key: str, needs: str) -> Path:
+    folder = Path(path)
+    if not (folder / needs).is_file():
+        raise ConfigError(f"{key}={path!r}: no {needs} there (a local folder is needed; nothing is downloaded)")
+    return folder
+
+
+def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
+    """The transformers model named by model.hf, wrapped for the trainer."""
+    require_hf("model.hf")
+    _offline()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if cfg.pretrained is not None:
+            folder = _local_folder(cfg.pretrained, "model.hf.pretrained", "config.json")
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        elif isinstance(cfg.config, dict):
+            fields = dict(cfg.config)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            model = AutoModelForCausalLM.from_config(config)
+        else:
+            assert cfg.config is not None
+            folder = _local_folder(cfg.config, "model.hf.config", "config.json")
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise ConfigError(f"model.hf: transformers cannot build this model: {str(e).splitlines()[0]}") from None
+    wrapped = HFCausalLM(model, block_size)
+    limit = getattr(wrapped.text_config, "max_position_embeddings", None)
+    if limit is not None and block_size > limit:
+        raise ConfigError(f"model.block_size={block_size} exceeds the model's max_position_embeddings={limit}")
+    return wrapped

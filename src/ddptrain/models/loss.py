@@ -1,0 +1,48 @@
+"""Take the loss out of whatever a model's forward returned.
+
+Accepted: a scalar tensor, a mapping with a "loss" entry, or an object with a `.loss`
+attribute (a Hugging Face `ModelOutput`). Anything else is a user error naming the model and
+what it returned, so a model returning logits fails with one line instead of a traceback deep
+in the training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ddptrain.errors import ConfigError
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(map(str, value))[:6]} and no usable 'loss'"
+    return f"{type(value).__name__}"
+
+
+def extract_loss(output: Any, model_name: str) -> torch.Tensor:
+    """The scalar loss tensor in a forward's output; ConfigError naming model_name otherwise."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    else:
+        loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return loss
+    got = _describe(output)
+    if loss is not None and loss is not output:
+        got += f" whose loss is {_describe(loss)}"
+    raise ConfigError(
+        f"model {model_name} returned {got}; forward must return a scalar loss tensor, "
+        "a mapping with 'loss', or an object with .loss"
+    )
+
+
+def model_name(model: torch.nn.Module, target: str | None) -> str:
+    """How error messages name the model: its target string, or its class."""
+    return repr(target) if target else type(model).__name__

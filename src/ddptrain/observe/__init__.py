@@ -1,0 +1,1 @@
+"""Observability: metrics sinks, progress, throughput/MFU, stragglers, hang triage, reports, the doctor."""

@@ -1,0 +1,127 @@
+"""The resume certificate: on every logged step, a cheap digest of the training state and the samples consumed.
+
+Rank 0 appends one line per logged step to `run.dir/certificate.jsonl`: per parameter and per
+optimizer-state tensor, two float64 sums (the whole tensor, and a fixed strided slice of at most
+1,024 elements, which moves when single elements change), the global sample positions consumed
+since the previous record with a CRC-32 of their ids, and the logged loss. The digest is computed on
+the device and read with one transfer, only on logged steps (which synchronize anyway). `ddptrain
+verify-resume` (verify_resume.py) replays steps from a checkpoint and compares its own digests with
+these.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.nn as nn
+
+from ddptrain.data.sampler import ResumableDistributedSampler
+
+SLICE = 1024
+FILE = "certificate.jsonl"
+
+
+def _digest_parts(name: str, t: torch.Tensor, names: list[str], parts: list[torch.Tensor]) -> None:
+    flat = t.detach().reshape(-1)
+    stride = max(1, flat.numel() // SLICE)
+    names.append(name)
+    parts.append(torch.stack([flat.sum(dtype=torch.float64), flat[::stride][:SLICE].sum(dtype=torch.float64)]))
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
+    """name -> [sum, slice sum] for every parameter and optimizer-state tensor (one device-to-host copy)."""
+    names: list[str] = []
+    parts: list[torch.Tensor] = []
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        _digest_parts(f"param:{n}", p, names, parts)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    where = parts[0].device if parts else value.device
+                    _digest_parts(f"optim:{by_id.get(id(p), '?')}.{key}", value.to(where), names, parts)
+    if not parts:
+        return {}
+    values = torch.stack([x.to(parts[0].device) for x in parts]).cpu().tolist()
+    return dict(zip(names, values))
+
+
+def consumed(sampler: ResumableDistributedSampler, steps: int) -> tuple[list[list[int]], int]:
+    """The (epoch, from, to) position segments of the last `steps` global batches, and the CRC-32 of their ids."""
+    per_epoch = sampler.steps_per_epoch * sampler.global_batch_size
+    epoch, end, left = sampler.epoch, sampler.position, steps * sampler.global_batch_size
+    segments: list[list[int]] = []
+    while left > 0 and epoch >= 0:
+        start = max(0, end - left)
+        if end > start:
+            segments.append([epoch, start, end])
+        left -= end - start
+        epoch, end = epoch - 1, per_epoch
+    segments.reverse()
+    crc = 0
+    for e, start, end in segments:
+        crc = zlib.crc32(sampler.epoch_order(e)[start:end].numpy().astype("<i8").tobytes(), crc)
+    return segments, crc
+
+
+def certificate_record(
+    step: int,
+    loss: float,
+    world_size: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: ResumableDistributedSampler,
+    steps: int,
+) -> dict[str, Any]:
+    """One line of the certificate: what the state and data stream were after `step`."""
+    segments, crc = consumed(sampler, steps)
+    return {
+        "step": step,
+        "loss": loss,
+        "world_size": world_size,
+        "samples": segments,
+        "ids_crc32": crc,
+        "digest": state_digest(model, optimizer),
+    }
+
+
+class CertificateWriter:
+    """Rank 0 appends certificate records to run.dir/certificate.jsonl (others do nothing)."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / FILE
+        self._file: TextIO | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (line-buffered: a crash loses at most this line)."""
+        if not self.enabled:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_certificate(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """Records by step, in file order: a run resumed after a crash logs the steps after its checkpoint again."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut off by a crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.setdefault(record["step"], []).append(record)
+    return out

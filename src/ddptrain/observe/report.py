@@ -1,0 +1,390 @@
+"""`ddptrain report RUN_DIR`: plots and a short summary from a run's metrics.jsonl.
+
+Works while the run is going and after it crashed: a last line cut off mid-write is skipped.
+Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt. A run that was
+restarted is told as one story (observe/story.py): records of abandoned attempts are dropped,
+restarts, resumes, world-size changes, preemptions, crashes, skipped steps and failed saves are
+marked on every plot and listed with their times, throughput is given per world-size segment, and
+the goodput figure shows where the wall time went.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
+
+from ddptrain.checkpoint import committed_checkpoints  # noqa: E402
+from ddptrain.errors import DataError  # noqa: E402
+from ddptrain.observe.diagnostic_events import (  # noqa: E402
+    diagnostic_events,
+    draw_diagnostic_events,
+    summarize_diagnostic_events,
+)
+from ddptrain.observe.story import Event, Goodput, Story, goodput, tell  # noqa: E402
+
+_PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(records, last line was cut off). DataError when missing, empty or malformed before the end."""
+    if not path.is_file():
+        raise DataError(f"no metrics file at {path}: is this a run folder (run.dir)?")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records, truncated = [], False
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "kind" not in record:
+                raise ValueError("not a metrics record (a JSON object with a 'kind')")
+            _check_fields(record)
+        except ValueError as e:
+            if i == len(lines):  # the run died while writing its last line
+                truncated = True
+                break
+            raise DataError(f"{path} line {i} is malformed ({e}); only a cut-off last line is tolerated") from None
+        records.append(record)
+    if not any(r["kind"] == "train" for r in records):
+        what = "is empty" if not records else "has no training records yet"
+        raise DataError(f"{path} {what}: nothing to report (training logs every log.every_steps steps)")
+    return records, truncated
+
+
+# The fields the summary and the plots read, per record kind: number, list of numbers or text.
+_REQUIRED = {
+    "train": {"step": "int", "loss": "value", "step_time_s": "number", "samples_per_s": "number"},
+    "eval": {"step": "int", "val_loss": "value"},
+    "ranks": {"step": "int", "local_step_s": "numbers"},
+    "event": {"event": "text", "step": "int"},
+}
+
+
+def _check_fields(record: dict[str, Any]) -> None:
+    """ValueError naming the first missing or mistyped field the report needs."""
+    for key, kind in _REQUIRED.get(record["kind"], {}).items():
+        value = record.get(key)
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "number": _is_number(value),
+            "value": _is_number(value) or isinstance(value, str),  # non-finite values are stored as text
+            "numbers": isinstance(value, list) and all(map(_is_number, value)),
+            "text": isinstance(value, str),
+        }[kind]
+        if not ok:
+            raise ValueError(f"a {record['kind']!r} record without a valid {key!r} (got {value!r})")
+    for key in ("samples_per_s", "tokens_per_s", "mfu", "flops_per_s_per_device", "peak_mem_mb", *_PHASES):
+        if record["kind"] == "train" and key in record and not _is_number(record[key]):
+            raise ValueError(f"a 'train' record whose {key!r} is not a number (got {record[key]!r})")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _of(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == kind]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+# How each kind of event is drawn on every plot: colour, line style, marker at the top.
+_EVENT_STYLE = {
+    "resume": ("tab:green", "--", "v"),
+    "world size": ("tab:purple", "-", "D"),
+    "preempted": ("tab:orange", "-.", "s"),
+    "crashed": ("tab:red", "-", "X"),
+    "stopped": ("tab:red", ":", "X"),
+    "skipped steps": ("tab:brown", ":", "o"),
+    "save failed": ("black", "--", "x"),
+}
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the plot titles say about the run."""
+
+    name: str
+    world_sizes: list[int]
+    global_batch: Any
+
+    def title(self, what: str) -> str:
+        """'<what> - run NAME, world size 2 -> 1, global batch 32'."""
+        sizes = " -> ".join(str(w) for w in self.world_sizes) or "?"
+        return f"{what} - run {self.name}, world size {sizes}, global batch {self.global_batch}"
+
+
+def _run_info(run_dir: Path, story: Story) -> RunInfo:
+    sizes: list[int] = []
+    for attempt in story.attempts:
+        if attempt.world_size is not None and (not sizes or sizes[-1] != attempt.world_size):
+            sizes.append(attempt.world_size)
+    train = _of(story.kept, "train")
+    name = run_dir.name
+    try:
+        name = str(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["name"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        pass
+    return RunInfo(name, sizes, train[-1].get("global_batch_size", "?") if train else "?")
+
+
+def _figure(what: str, info: RunInfo, story: Story, ylabel: str) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    ax.set_title(info.title(what), fontsize=11)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    draw_diagnostic_events(ax, diagnostic_events(story.kept))  # straggler, slow-communication and hang episodes
+    return fig, ax
+
+
+def _mark_events(ax: Any, story: Story) -> None:
+    """Every event as a vertical line with a marker at the top and its name beside it; events at
+    the same step share one line (the first one's style) and one label."""
+    by_step: dict[int, list[Event]] = {}
+    for e in story.events:
+        by_step.setdefault(e.step, []).append(e)
+    for step, events in sorted(by_step.items()):
+        colour, style, marker = _EVENT_STYLE.get(events[0].kind, ("grey", ":", "."))
+        ax.axvline(step, color=colour, linestyle=style, linewidth=1.2, alpha=0.8)
+        ax.plot(
+            [step],
+            [1.0],
+            marker=marker,
+            color=colour,
+            markersize=8,
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            linestyle="none",
+        )
+        names = list(dict.fromkeys(e.kind if e.kind != "world size" else e.detail for e in events))
+        ax.text(
+            step,
+            0.97,
+            " " + "\n ".join(names),
+            transform=ax.get_xaxis_transform(),
+            color=colour,
+            fontsize=8,
+            va="top",
+            ha="left",
+        )
+
+
+def _save(fig: Any, ax: Any, story: Story, path: Path) -> Path:
+    _mark_events(ax, story)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(fontsize="small", loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def segments(story: Story) -> list[tuple[int, int, int, list[dict[str, Any]]]]:
+    """(world size, first step, last step, train records) per stretch of kept records at one world size."""
+    out: list[tuple[int, int, int, list[dict[str, Any]]]] = []
+    for r in _of(story.kept, "train"):
+        ws = int(r.get("world_size", 0))
+        if out and out[-1][0] == ws:
+            out[-1][3].append(r)
+            out[-1] = (ws, out[-1][1], r["step"], out[-1][3])
+        else:
+            out.append((ws, r["step"], r["step"], [r]))
+    return out
+
+
+def _throughput_key(train: list[dict[str, Any]]) -> str:
+    return "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
+
+
+def plot_all(run_dir: Path, story: Story, out: Path) -> list[Path]:
+    """The PNGs: loss, learning rate, throughput per world-size segment, step time, goodput."""
+    train, evals, ranks = _of(story.kept, "train"), _of(story.kept, "eval"), _of(story.kept, "ranks")
+    info = _run_info(run_dir, story)
+    paths = []
+
+    fig, ax = _figure("loss", info, story, "loss (mean over the log window)")
+    ax.plot(*_series(train, "loss"), label="train loss")
+    if evals:
+        ax.plot(*_series(evals, "val_loss"), "o-", label="val loss")
+    paths.append(_save(fig, ax, story, out / "loss.png"))
+
+    fig, ax = _figure("learning rate", info, story, "learning rate")
+    ax.plot(*_series(train, "lr"), label="lr")
+    paths.append(_save(fig, ax, story, out / "lr.png"))
+
+    key = _throughput_key(train)
+    unit = key.replace("_per_s", "/s")
+    fig, ax = _figure("throughput", info, story, f"{unit}, global (all ranks)")
+    for i, (ws, first, last, rows) in enumerate(segments(story)):
+        (line,) = ax.plot(*_series(rows, key), color=f"C{i % 10}", label=f"world size {ws}, steps {first}-{last}")
+        steady = rows[1:] or rows  # the first window of a segment carries start-up costs
+        mean = fmean(r[key] for r in steady if key in r) if any(key in r for r in steady) else None
+        if mean is not None:
+            ax.hlines(mean, first, last, colors=line.get_color(), linestyles="--", linewidth=1)
+    if any("mfu" in r for r in train):
+        twin = ax.twinx()
+        steps, values = _series(train, "mfu")
+        twin.plot(steps, [100 * v for v in values], color="tab:gray", alpha=0.6)
+        twin.set_ylabel("MFU (%)", color="tab:gray")
+    paths.append(_save(fig, ax, story, out / "throughput.png"))
+
+    fig, ax = _figure("step time", info, story, "seconds per optimizer step")
+    ax.plot(*_series(train, "step_time_s"), color="black", label="step (all ranks)")
+    if ranks:
+        for r in range(len(ranks[-1]["local_step_s"])):
+            rows = [x for x in ranks if r < len(x["local_step_s"])]
+            ax.plot([x["step"] for x in rows], [x["local_step_s"][r] for x in rows], "o-", label=f"rank {r} local")
+    else:
+        for phase in _PHASES:
+            ax.plot(*_series(train, phase), label=phase.removesuffix("_s"))
+    paths.append(_save(fig, ax, story, out / "step_time.png"))
+
+    paths.append(_plot_goodput(info, goodput(story), out / "goodput.png"))
+    return paths
+
+
+def _plot_goodput(info: RunInfo, g: Goodput, path: Path) -> Path:
+    """One horizontal bar of the wall time, split into productive step time and each loss."""
+    fig, ax = plt.subplots(figsize=(10, 3.2), dpi=100)
+    parts = [("productive steps", g.productive_s), *g.lost.items()]
+    colours = ["tab:green", "tab:red", "tab:orange", "tab:purple", "tab:gray"]
+    left = 0.0
+    for (what, seconds), colour in zip(parts, colours):
+        ax.barh([0], [seconds], left=left, color=colour, label=f"{what}: {seconds:,.1f} s")
+        left += seconds
+    ax.set_yticks([])
+    ax.set_xlabel("seconds of wall time, first start to last record")
+    ax.set_title(info.title(f"goodput {100 * g.ratio:.1f}%"), fontsize=11)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _num(value: Any) -> str:
+    # Non-finite losses are stored as strings ("nan"): show them as they are.
+    return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
+
+
+def _max_steps(run_dir: Path) -> int | None:
+    try:
+        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _clock(t: float, t0: float) -> str:
+    return f"{time.strftime('%H:%M:%S', time.gmtime(t))} UTC (+{t - t0:,.0f} s)"
+
+
+def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story) -> str:
+    """The text summary: status, steps, losses, throughput per segment, goodput, events with times, checkpoints."""
+    kept = story.kept
+    train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
+    last = train[-1]
+    max_steps = _max_steps(run_dir)
+    stopped = [e for e in events if e.get("event") == "stopped"]
+    if max_steps is not None and last["step"] >= max_steps:
+        status = f"finished ({max_steps} steps)"
+    elif stopped:
+        status = f"stopped at step {stopped[-1]['step']}: {stopped[-1].get('reason', '?')}"
+    else:
+        age = time.time() - records[-1].get("time", time.time())
+        status = f"incomplete: still running or crashed (last record {age:.0f}s ago, step {last['step']} of {max_steps or '?'})"
+    info = _run_info(run_dir, story)
+    sizes = " -> ".join(map(str, info.world_sizes)) or "?"
+    cut_off = "; the last line was cut off mid-write" if truncated else ""
+    lines = [
+        f"run: {info.name} ({run_dir})",
+        f"status: {status}{cut_off}",
+        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; "
+        f"{len(story.attempts)} attempt(s))",
+        f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
+    ]
+    val = [e for e in evals if isinstance(e.get("val_loss"), (int, float))]
+    if val:
+        best = min(val, key=lambda e: e["val_loss"])
+        lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
+    key = _throughput_key(train)
+    lines.append(
+        f"throughput ({key.replace('_per_s', '/s')}, global; first window of each segment left out as warm-up):"
+    )
+    for ws, first, last_step, rows in segments(story):
+        steady = [r for r in (rows[1:] or rows) if key in r]
+        mean = f"{fmean(r[key] for r in steady):,.0f}" if steady else "n/a"
+        step_ms = 1000 * fmean(r["step_time_s"] for r in steady) if steady else float("nan")
+        lines.append(
+            f"  world size {ws}, steps {first}-{last_step}: {mean} mean over {len(steady)} log windows, "
+            f"{step_ms:.1f} ms per step"
+        )
+    steady_all = [r for _, _, _, rows in segments(story) for r in (rows[1:] or rows)]
+    if any("mfu" in r for r in steady_all):
+        lines.append(f"MFU: {100 * fmean(r['mfu'] for r in steady_all if 'mfu' in r):.1f}% mean")
+    elif any("flops_per_s_per_device" in r for r in steady_all):
+        flops = fmean(r["flops_per_s_per_device"] for r in steady_all if "flops_per_s_per_device" in r)
+        lines.append(f"MFU: n/a (device peak unknown); achieved {flops / 1e9:,.2f} GFLOP/s per device")
+    phases = {
+        p: fmean(r[p] for r in steady_all if p in r)
+        for p in (*_PHASES, "exposed_comm_s")
+        if any(p in r for r in steady_all)
+    }
+    if phases:
+        split = ", ".join(f"{p.removesuffix('_s')} {1000 * v:.1f} ms" for p, v in phases.items())
+        lines.append(f"step time split: {split}")
+    if "peak_mem_mb" in last:
+        lines.append(f"peak memory: {last['peak_mem_mb']:,.0f} MiB ({last.get('peak_mem_kind', '?')}, rank 0)")
+    g = goodput(story)
+    lost = "; ".join(f"{what} {seconds:,.1f} s" for what, seconds in g.lost.items())
+    lines.append(
+        f"goodput: {100 * g.ratio:.1f}% ({g.productive_s:,.1f} s of productive steps in {g.wall_s:,.1f} s "
+        f"wall time); lost: {lost}" + (f" ({story.redone_steps} steps re-done)" if story.redone_steps else "")
+    )
+    t0 = min((float(r["time"]) for r in records if "time" in r), default=0.0)
+    lines.append(f"events: {len(story.events) or 'none'}")
+    for e in story.events:
+        lines.append(f"  {_clock(e.time, t0)}  step {e.step:>6}  {e.kind}: {e.detail}")
+    saved = [e for e in events if e.get("event") == "checkpoint"]
+    failed = [e for e in events if e.get("event") == "checkpoint_failed"]
+    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
+    lines.append(
+        f"checkpoints: {len(saved)} committed during the run"
+        + (f", {len(failed)} failed" if failed else "")
+        + f"; on disk now: {', '.join(present) or 'none'}"
+    )
+    if ranks:
+        flagged = [r for r in ranks if "straggler_rank" in r]
+        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
+        lines.append(
+            f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
+        )
+    lines += summarize_diagnostic_events(diagnostic_events(records))
+    return "\n".join(lines)
+
+
+def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
+    """Write the plots and summary.txt into out (default run_dir/report); returns (summary, files)."""
+    records, truncated = read_records(run_dir / "metrics.jsonl")
+    out = out or run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    max_steps = _max_steps(run_dir)
+    last_train = _of(records, "train")[-1]["step"]
+    story = tell(records, finished=max_steps is not None and last_train >= max_steps)
+    summary = summarize(run_dir, records, truncated, story)
+    (out / "summary.txt").write_text(summary + "\n")
+    return summary, [*plot_all(run_dir, story, out), out / "summary.txt"]

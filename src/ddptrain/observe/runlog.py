@@ -1,0 +1,141 @@
+"""Logging: module loggers under "ddptrain", rank 0's console and every rank's own log file.
+
+Code logs through `logging.getLogger(__name__)` at the level it means (info, warning, error).
+While a run is set up (`run_logging`), two handlers hang on the "ddptrain" logger:
+
+* rank 0's console: plain lines on stdout, written through tqdm so that they never break the
+  progress bar; warnings and errors read "warning: ..." and "error: ...";
+* every rank's file `run.dir/logs/rank-<r>.log`: the same records with time, rank and level, and
+  any uncaught exception with its traceback. Only rank 0 prints, so a warning on rank 7 would
+  otherwise be lost in a launcher's interleaved output.
+
+A handler that cannot write (a full or read-only disk) says so in one line on stderr and stops
+writing, instead of printing a traceback for every record that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+from ddptrain.errors import Interrupted, Preempted, UserError
+from ddptrain.safe_files import ensure_dir, open_append_no_follow
+
+PACKAGE_LOG = logging.getLogger("ddptrain")
+PACKAGE_LOG.setLevel(logging.INFO)
+# The run's own handlers decide where records go: no echo through the root logger's handlers, nor
+# Python's last-resort handler when no run is set up.
+PACKAGE_LOG.addHandler(logging.NullHandler())
+PACKAGE_LOG.propagate = False
+log = logging.getLogger(__name__)
+
+# logger.info(..., extra=FILE_ONLY): a record the console already shows another way (the bar).
+FILE_ONLY = {"console": False}
+_PREFIX = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
+
+
+class _OneComplaint:
+    """Mixin: the first failed write prints one line to stderr and disables the handler."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        err = sys.exc_info()[1]
+        what = getattr(self, "baseFilename", None) or "the console"
+        if not getattr(self, "_gave_up", False):
+            self._gave_up = True
+            try:
+                reason = getattr(err, "strerror", None) or err
+                sys.stderr.write(f"warning: cannot write the log to {what} ({reason}); logging there stops\n")
+            except OSError:
+                pass
+        self.setLevel(logging.CRITICAL + 1)  # type: ignore[attr-defined]
+
+
+class ConsoleHandler(_OneComplaint, logging.Handler):
+    """Rank 0's terminal: one plain line per record, through tqdm.write (safe beside a progress bar)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        super().__init__(logging.INFO)
+        self.stream = stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "console", True) and super().filter(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = _PREFIX.get(record.levelno, "") + record.getMessage()
+            stream = self.stream or sys.stdout
+            tqdm.write(text, file=stream)
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+class RankFileHandler(_OneComplaint, logging.StreamHandler):  # type: ignore[type-arg]
+    """This rank's log file, opened for appending without following a link."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(open_append_no_follow(path, encoding="utf-8"))
+        self.baseFilename = str(path)
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            super().close()
+
+
+def console_handler(stream: TextIO | None = None) -> ConsoleHandler:
+    """A console handler (stdout by default), for rank 0 or a command that wants log lines shown."""
+    return ConsoleHandler(stream)
+
+
+@contextmanager
+def run_logging(
+    run_dir: Path, rank: int, world_size: int, hostname: str, console: bool | None = None
+) -> Iterator[Path]:
+    """While the block runs: this rank's records go to run_dir/logs/rank-<rank>.log, rank 0's to stdout.
+
+    console: show records on stdout (default: rank 0 only). An exception leaving the block is
+    logged to the file (with its traceback unless it is bad input or a requested stop).
+    """
+    path = run_dir / "logs" / f"rank-{rank}.log"
+    try:
+        ensure_dir(path.parent)
+        file_handler: logging.Handler = RankFileHandler(path)  # a planted link is refused, never followed
+    except OSError as e:
+        raise UserError(f"cannot write the run's log {path}: {e.strerror or e}") from None
+    file_handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
+    handlers = [file_handler]
+    if console if console is not None else rank == 0:
+        handlers.append(ConsoleHandler())
+    for h in handlers:
+        PACKAGE_LOG.addHandler(h)
+    log.info("rank %d of %d on %s, pid %d", rank, world_size, hostname, os.getpid(), extra=FILE_ONLY)
+    try:
+        yield path
+    except UserError as e:
+        log.error("%s", e, extra=FILE_ONLY)  # bad input: one line, as the command prints it
+        raise
+    except (Preempted, Interrupted) as e:
+        log.info("%s", e, extra=FILE_ONLY)
+        raise
+    except KeyboardInterrupt:
+        log.error("interrupted (KeyboardInterrupt)", extra=FILE_ONLY)
+        raise
+    except BaseException as e:
+        log.error("%s: %s", type(e).__name__, e, exc_info=True, extra=FILE_ONLY)
+        raise
+    finally:
+        for h in handlers:
+            PACKAGE_LOG.removeHandler(h)
+            try:
+                h.close()
+            except OSError:
+                pass  # a full disk: already said once; must not replace the error that is leaving

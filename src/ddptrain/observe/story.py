@@ -1,0 +1,194 @@
+"""The story of a run from its metrics records: attempts, what each one left behind, and where time went.
+
+A run that crashed or was preempted is started again and resumes from a checkpoint; everything the
+earlier attempt logged after that checkpoint's step was re-done and is dropped (the resumed step is
+the cut). What remains is one record per step, plus the events that explain the gaps: restarts,
+resumes, world-size changes, preemptions, crashes, skipped steps and failed checkpoint saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_STARTS = ("start", "resume")
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to the run, at a step and a wall-clock time."""
+
+    kind: str  # resume, world size, preempted, crashed, stopped, skipped steps, save failed
+    step: int
+    time: float
+    detail: str
+
+
+@dataclass
+class Attempt:
+    """One start of the training command (a start or resume event) and the records it wrote."""
+
+    start: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int | None:
+        """World size of this attempt (from its start event, else its first train record)."""
+        if "world_size" in self.start:
+            return int(self.start["world_size"])
+        train = [r for r in self.records if r["kind"] == "train"]
+        return int(train[0]["world_size"]) if train and "world_size" in train[0] else None
+
+    def ended(self) -> str:
+        """How it ended: preempted, stopped, finished (the last attempt ran to the end) or crashed."""
+        events = [r.get("event") for r in self.records if r["kind"] == "event"]
+        return "preempted" if "preempted" in events else "stopped" if "stopped" in events else "crashed"
+
+
+@dataclass
+class Story:
+    """A run's kept records, its attempts and events, and its time accounting."""
+
+    kept: list[dict[str, Any]]
+    attempts: list[Attempt]
+    events: list[Event]
+    productive_s: float  # step time of the kept train records
+    redone_s: float  # step time of records dropped because a later attempt re-did those steps
+    redone_steps: int
+
+
+def _window_steps(train: list[dict[str, Any]], first_step: int) -> list[int]:
+    """Optimizer steps each train record covers (records log a window ending at their step)."""
+    out, previous = [], first_step
+    for r in train:
+        out.append(max(r["step"] - previous, 1))
+        previous = r["step"]
+    return out
+
+
+def step_seconds(train: list[dict[str, Any]], first_step: int) -> float:
+    """Time spent in optimizer steps by these records (one attempt's, in order)."""
+    return float(sum(float(r.get("step_time_s", 0.0)) * n for r, n in zip(train, _window_steps(train, first_step))))
+
+
+def split_attempts(records: list[dict[str, Any]]) -> list[Attempt]:
+    """Records grouped by the start/resume event that precedes them (records before any start: attempt 0)."""
+    attempts: list[Attempt] = []
+    for r in records:
+        if r["kind"] == "event" and r.get("event") in _STARTS:
+            attempts.append(Attempt(start=r))
+        elif attempts:
+            attempts[-1].records.append(r)
+        else:
+            attempts.append(
+                Attempt(start={"kind": "event", "event": "start", "step": 0, "time": r.get("time", 0.0)}, records=[r])
+            )
+    return attempts
+
+
+def _when(r: dict[str, Any]) -> float:
+    return float(r.get("time", 0.0))
+
+
+def tell(records: list[dict[str, Any]], finished: bool) -> Story:
+    """Cut abandoned records and list the events; `finished`: the last attempt reached max_steps."""
+    attempts = split_attempts(records)
+    kept: list[dict[str, Any]] = []
+    events: list[Event] = []
+    productive_s, redone_s, redone_steps = 0.0, 0.0, 0
+    for i, attempt in enumerate(attempts):
+        cut = attempts[i + 1].start.get("step") if i + 1 < len(attempts) else None
+        first = int(attempt.start.get("step", 0))
+        train = [r for r in attempt.records if r["kind"] == "train"]
+        if cut is not None:
+            dropped = [r for r in train if r["step"] > cut]
+            redone_steps += max(dropped[-1]["step"] - cut, 0) if dropped else 0
+            start_of_dropped = max([r["step"] for r in train if r["step"] <= cut], default=first)
+            redone_s += step_seconds(dropped, start_of_dropped)
+        productive_s += step_seconds([r for r in train if cut is None or r["step"] <= cut], first)
+        kept.append(attempt.start)
+        kept += [r for r in attempt.records if cut is None or r["kind"] == "event" or r.get("step", 0) <= cut]
+        if i > 0:
+            before = attempts[i - 1].world_size
+            events.append(
+                Event(
+                    "resume",
+                    first,
+                    _when(attempt.start),
+                    f"attempt {i + 1} resumed from step {first} at world size {attempt.world_size}",
+                )
+            )
+            if before is not None and attempt.world_size is not None and before != attempt.world_size:
+                events.append(
+                    Event("world size", first, _when(attempt.start), f"world size {before} -> {attempt.world_size}")
+                )
+        for r in attempt.records:
+            if r["kind"] == "event" and r.get("event") == "preempted":
+                events.append(
+                    Event(
+                        "preempted",
+                        r["step"],
+                        _when(r),
+                        f"preempted by {r.get('signal', '?')}, checkpoint committed at step {r['step']}",
+                    )
+                )
+            elif r["kind"] == "event" and r.get("event") == "stopped":
+                events.append(Event("stopped", r["step"], _when(r), str(r.get("reason", ""))))
+            elif r["kind"] == "event" and r.get("event") == "checkpoint_failed":
+                events.append(Event("save failed", r["step"], _when(r), str(r.get("error", ""))))
+            elif r["kind"] == "train" and r.get("skipped_steps") and (cut is None or r["step"] <= cut):
+                events.append(
+                    Event(
+                        "skipped steps",
+                        r["step"],
+                        _when(r),
+                        f"{r['skipped_steps']} step(s) skipped (non-finite gradient)",
+                    )
+                )
+        last_attempt = i == len(attempts) - 1
+        if attempt.ended() == "crashed" and not (last_attempt and finished):
+            last = attempt.records[-1] if attempt.records else attempt.start
+            how = f"last record at step {last.get('step', '?')}" if attempt.records else "no records after its start"
+            events.append(
+                Event(
+                    "crashed",
+                    int(last.get("step", first)),
+                    _when(last),
+                    f"attempt {i + 1} ended without a stop record ({how})"
+                    + ("; still running?" if last_attempt else ""),
+                )
+            )
+    events.sort(key=lambda e: (e.time, e.step))
+    return Story(kept, attempts, events, productive_s, redone_s, redone_steps)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Wall time from the first start to the last record, split into productive steps and losses."""
+
+    wall_s: float
+    productive_s: float
+    lost: dict[str, float]  # what -> seconds
+
+    @property
+    def ratio(self) -> float:
+        """Productive step time / wall time."""
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def goodput(story: Story) -> Goodput:
+    """Itemize the run's wall time: productive steps, re-done steps, restarts (gap from an attempt's
+    last record to the next start: detection, requeue or queue wait, start-up, checkpoint load),
+    checkpoint blocking, and the rest (evaluation, logging, warm-up)."""
+    times = [_when(r) for a in story.attempts for r in (a.start, *a.records) if "time" in r]
+    wall = max(times) - min(times) if times else 0.0
+    restarts = 0.0
+    for before, after in zip(story.attempts, story.attempts[1:]):
+        last = max((_when(r) for r in (before.start, *before.records)), default=_when(before.start))
+        restarts += max(_when(after.start) - last, 0.0)
+    blocked = sum(
+        float(r.get("blocked_s", 0.0)) for r in story.kept if r["kind"] == "event" and r.get("event") == "checkpoint"
+    )
+    lost = {"re-done steps": story.redone_s, "restarts (down time)": restarts, "checkpoint blocking": blocked}
+    lost["other (eval, logging, start-up)"] = max(wall - story.productive_s - sum(lost.values()), 0.0)
+    return Goodput(wall, story.productive_s, lost)

@@ -1,0 +1,137 @@
+"""Experiment trackers fed by MetricsWriter: TensorBoard, MLflow, Weights & Biases.
+
+`build_sinks` (called by run.build_run, step 7) returns the sinks `log.trackers` asks for, on
+rank 0 only. TensorBoard writes local files in the training thread (its writer has its own thread);
+MLflow and W&B run behind a BackgroundTracker each (background.py): a bounded queue and a thread,
+so that a slow or unreachable tracker never blocks or fails training. run.dir/trackers.json
+(state.py) keeps one tracker run per run folder across restarts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import subprocess
+from collections.abc import Callable
+
+import torch
+
+from ddptrain.config import Config, LogConfig
+from ddptrain.dist import DistContext
+from ddptrain.errors import ConfigError
+from ddptrain.observe.trackers.background import BackgroundTracker, Backlog
+from ddptrain.observe.trackers.base import Sink, StartInfo, Tracker, flatten
+from ddptrain.observe.trackers.state import TrackerState
+
+# Tracker name -> (the module it imports, the pip extra that installs it).
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+
+
+def tracker_names(log: LogConfig) -> list[str]:
+    """The trackers the config asks for; `log.tensorboard: true` is the same as listing tensorboard."""
+    names: list[str] = list(dict.fromkeys(log.trackers))
+    if log.tensorboard and "tensorboard" not in names:
+        names.insert(0, "tensorboard")
+    return names
+
+
+def require_packages(log: LogConfig) -> None:
+    """Raise ConfigError (exit 2) naming the extra when a requested tracker's package is missing.
+
+    Every rank calls this before any collective, so that all of them stop, not only rank 0.
+    """
+    for name in tracker_names(log):
+        module, extra = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"log.trackers asks for {name}, but the {module} package is not installed: "
+                f"pip install 'ddptrain[{extra}]'"
+            )
+
+
+def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> list[Sink]:
+    """The tracker sinks of this rank (none but on rank 0); remote ones start delivering at once."""
+    names = tracker_names(cfg.log)
+    if not ctx.is_main or not names:
+        return []
+    sinks: list[Sink] = []
+    if "tensorboard" in names:
+        from ddptrain.observe.trackers.tensorboard_sink import TensorBoardSink
+
+        sinks.append(TensorBoardSink(cfg.run_dir))
+    remote = [n for n in names if n != "tensorboard"]
+    if not remote:
+        return sinks
+    # ckpt.resume=never retrains from scratch in the same folder: that is a new tracker run too.
+    fresh = cfg.ckpt.resume == "never"
+    state = TrackerState(cfg.run_dir, fresh=fresh)
+    previous_world_size = state.begin_attempt(ctx.world_size)
+    start = StartInfo(
+        run_name=cfg.log.tracker_run_name or cfg.run.name,
+        params=flatten(cfg.model_dump(mode="json", by_alias=True)),
+        system=system_info(ctx),
+        attempt=state.attempt,
+    )
+    # What earlier attempts wrote before this one appends: a killed attempt may not have sent all of it.
+    jsonl = cfg.run_dir / "metrics.jsonl"
+    backlog_bytes = jsonl.stat().st_size if jsonl.is_file() and not fresh else 0
+    for name in remote:
+        tracker = _tracker(name, cfg, state)
+        sinks.append(
+            BackgroundTracker(
+                tracker,
+                state,
+                start,
+                previous_world_size,
+                say,
+                cfg.log.tracker_buffer,
+                cfg.log.tracker_flush_s,
+                Backlog(jsonl, backlog_bytes),
+            )
+        )
+    return sinks
+
+
+def _tracker(name: str, cfg: Config, state: TrackerState) -> Tracker:
+    log = cfg.log
+    if name == "mlflow":
+        from ddptrain.observe.trackers.mlflow_tracker import MLflowTracker
+
+        return MLflowTracker(log.mlflow_tracking_uri, log.mlflow_experiment)
+    from ddptrain.observe.trackers.wandb_tracker import WandbTracker
+
+    return WandbTracker(
+        log.wandb_project,
+        log.wandb_entity,
+        log.wandb_mode,
+        cfg.run_dir,
+        lambda run_id: state.set_run_id("wandb", run_id),
+    )
+
+
+def system_info(ctx: DistContext) -> dict[str, str]:
+    """World size, devices, versions, hosts and the git commit of the working directory (when in a repository)."""
+    info = {
+        "sys.world_size": str(ctx.world_size),
+        "sys.device": str(ctx.device.type),
+        "sys.backend": ctx.backend or "none",
+        "sys.torch": torch.__version__,
+        "sys.python": platform.python_version(),
+        "sys.hosts": ",".join(sorted(set(ctx.hosts or (ctx.hostname,)))),
+    }
+    if ctx.device.type == "cuda":
+        info["sys.device_name"] = torch.cuda.get_device_name(ctx.device)
+        info["sys.cuda"] = str(torch.version.cuda)
+    commit = git_commit()
+    if commit:
+        info["sys.git_commit"] = commit
+    return info
+
+
+def git_commit() -> str | None:
+    """HEAD of the git repository around the working directory, None outside one (or without git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None

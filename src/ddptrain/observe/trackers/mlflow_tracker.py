@@ -1,0 +1,120 @@
+"""MLflow: one MLflow run per run folder, through MlflowClient (no global "active run" state).
+
+Params are the flattened resolved config (MLflow params cannot change: on a resume with a changed
+value the change is kept as a tag `ddptrain.config_changed.<key>`). The highest delivered step per
+series travels in the same log_batch as the metrics (tag `ddptrain.delivered`), so a resumed run
+knows what the server holds even when the process was killed right after a delivery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ddptrain.observe.trackers.base import Opened, StartInfo, Update
+
+# A run's terminal MLflow status for each way a ddptrain run ends.
+STATUS = {"completed": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+MAX_METRICS, MAX_TAGS = 1000, 100  # MLflow's per-log_batch limits
+DELIVERED_TAG = "ddptrain.delivered"
+
+
+class MLflowTracker:
+    """Sends to the MLflow tracking server (or store) at tracking_uri (None: MLFLOW_TRACKING_URI / MLflow's default)."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str | None, experiment: str | None) -> None:
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        # The delivery thread retries on its own schedule: MLflow's own retries (7, with backoff,
+        # minutes in all) and 120 s timeout would only hide an outage from it. The user's settings win.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self._client: Any = None
+        self.run_id = ""
+
+    def open(self, run_id: str | None, start: StartInfo) -> Opened:
+        """Create the run in the experiment, or continue run_id (or MLFLOW_RUN_ID at the first start)."""
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        client = self._client = self._client or MlflowClient(tracking_uri=self.tracking_uri)
+        run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        tags = {**start.system, "mlflow.source.name": "ddptrain", "ddptrain.attempts": str(start.attempt)}
+        if "sys.git_commit" in start.system:
+            tags["mlflow.source.git.commit"] = start.system["sys.git_commit"]  # the UI shows it with the run
+        delivered: dict[str, int] = {}
+        wanted = {k: str(v) for k, v in start.params.items()}  # MLflow params are text
+        if run_id is None:
+            run = client.create_run(self._experiment_id(client), run_name=start.run_name)
+            params = wanted
+        else:
+            run = client.get_run(run_id)
+            client.update_run(run_id, status="RUNNING")
+            delivered = {k: int(v) for k, v in json.loads(run.data.tags.get(DELIVERED_TAG, "{}")).items()}
+            held = run.data.params
+            params = {k: v for k, v in wanted.items() if k not in held}
+            tags.update(
+                {
+                    f"ddptrain.config_changed.{k}": f"{held[k]} -> {v} (attempt {start.attempt})"
+                    for k, v in wanted.items()
+                    if k in held and held[k] != v
+                }
+            )
+        self.run_id = run.info.run_id
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), MAX_TAGS):
+            client.log_batch(self.run_id, params=items[i : i + MAX_TAGS])
+        self._log_tags(tags)
+        return Opened(self.run_id, delivered)
+
+    def send(self, update: Update) -> None:
+        """Metrics in log_batch calls of at most 1,000; the delivered marks go in the call with the last ones."""
+        from mlflow.entities import Metric, RunTag
+
+        metrics = [Metric(p.key, p.value, int(p.time * 1000), p.step) for p in update.points]
+        tags = {
+            DELIVERED_TAG: json.dumps(update.delivered, sort_keys=True),
+            **update.tags,
+            **{f"ddptrain.label.{label}": "true" for label in update.labels},
+        }
+        tag_items = [RunTag(k, v) for k, v in tags.items()]
+        while len(metrics) > MAX_METRICS:
+            self._client.log_batch(self.run_id, metrics=metrics[:MAX_METRICS])
+            metrics = metrics[MAX_METRICS:]
+        self._client.log_batch(self.run_id, metrics=metrics, tags=tag_items[:MAX_TAGS])
+        for i in range(MAX_TAGS, len(tag_items), MAX_TAGS):
+            self._client.log_batch(self.run_id, tags=tag_items[i : i + MAX_TAGS])
+
+    def upload(self, folder: Path, kind: str) -> None:
+        """The folder's files under the run's artifacts, in a folder named after their kind."""
+        self._client.log_artifacts(self.run_id, str(folder), artifact_path=kind)
+
+    def finish(self, status: str) -> None:
+        """FINISHED, KILLED (preempted: a resume sets it RUNNING again) or FAILED."""
+        self._client.set_terminated(self.run_id, STATUS.get(status, "FAILED"), int(time.time() * 1000))
+
+    def _log_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, len(items), MAX_TAGS):
+            self._client.log_batch(self.run_id, tags=items[i : i + MAX_TAGS])
+
+    def _experiment_id(self, client: Any) -> str:
+        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if not name:
+            return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"  # MLflow's "Default" experiment
+        found = client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(client.create_experiment(name))
+        except Exception:  # created meanwhile by another run: use that one
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return str(found.experiment_id)

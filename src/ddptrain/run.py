@@ -1,0 +1,386 @@
+"""The composition root: a Config becomes a built, set-up run, in one order, on every rank.
+
+The CLI (`ddptrain train`), the Python API (`ddptrain.train`), the benchmarks and the tests all
+build runs here and nowhere else. Every collective of the set-up happens in `build_run`, in this
+order, on every rank (torch matches collectives by order, so a different order on one rank
+would deadlock the job):
+
+ 1. distributed context      init_distributed: rendezvous, the training group, host names
+ 2. run folder               rank 0 takes the folder's lease (one writer per run.dir) and
+                             every rank learns the outcome (a broadcast); rank 0 writes config.yaml
+ 3. data                     the default corpus (local rank 0 prepares, any_rank agrees), datasets
+ 3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
+                             with different data stops the job (exit 2) before the first step
+ 4. model                    seeded identically on every rank, wrapped: DDP broadcasts rank 0's weights
+ 5. optimizer and schedule   inside the Trainer; trainer.setup(): the stop agreement's gloo group
+                            (a new group only next to NCCL; gloo runs reuse the training group)
+ 6. checkpointer.setup()     the checkpoints' own gloo group
+ 7. observers                metrics and tracker sinks, progress (rank 0 only), triage.setup(): a broadcast,
+                             an all-gather of pids
+ 8. resume                   rank 0 verifies and checks the config, everyone receives its choice
+                             (a broadcast)
+Then `Run.fit()` trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.compat import run_identity
+from ddptrain.checkpoint.export import export_model
+from ddptrain.checkpoint.lease import LeaseHeld, RunLease
+from ddptrain.checkpoint.weights import init_weights_from
+from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
+from ddptrain.data import build_datasets
+from ddptrain.data.corpus import corpus_ready, prepare_corpus, read_meta, stdlib_sources
+from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
+from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
+from ddptrain.errors import CheckpointSaveError, DataError, Interrupted, NonFiniteError, Preempted, UserError
+from ddptrain.models import build_model, fit_vocab_to_data
+from ddptrain.observe.forensics import enable_flight_recorder
+from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.runlog import run_logging
+from ddptrain.observe.trackers import build_sinks, require_packages
+from ddptrain.observe.triage import Triage
+from ddptrain.observe.watchdog import Budgets
+from ddptrain.safe_files import write_text_replace
+from ddptrain.train.parallel import wrap_model
+from ddptrain.train.preemption import StopRequest
+from ddptrain.train.rng import seed_everything
+from ddptrain.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
+
+ConfigSource = Config | Mapping[str, Any] | str | Path | None
+Datasets = tuple[Dataset[Any], Dataset[Any] | None]
+
+
+@dataclass
+class RunResult:
+    """What a finished (or preempted) run reached; the same on every rank."""
+
+    status: str  # "completed" or "preempted"
+    step: int
+    loss: float | None  # mean training loss of the last logged window
+    val_loss: float | None  # last evaluation, None when there was none
+    run_dir: Path
+
+
+@dataclass
+class Run:
+    """Everything one rank needs to train, built and set up by `build_run`."""
+
+    cfg: Config
+    ctx: DistContext
+    trainer: Trainer
+    checkpointer: Checkpointer
+    metrics: MetricsWriter
+    progress: Progress
+    triage: Triage
+    lease: RunLease | None = None  # rank 0's lease on run.dir
+    status: str = "failed"  # until fit() says otherwise; ends the trackers' runs in close()
+
+    def fit(self) -> RunResult:
+        """Train to train.max_steps; SIGTERM/SIGUSR1 (status "preempted") and Ctrl-C ("interrupted") become
+        a coordinated stop: every rank stops at the same step after committing a checkpoint."""
+        trainer, ctx = self.trainer, self.ctx
+        if trainer.step >= self.cfg.train.max_steps:
+            log.info("nothing to do: already at step %d (train.max_steps=%d)", trainer.step, self.cfg.train.max_steps)
+        stop = StopRequest(announce=ctx.is_main).install()
+        try:
+            trainer.fit(stop_request=stop, watchdog=self.triage)
+        except (Preempted, Interrupted) as e:
+            status = "preempted" if isinstance(e, Preempted) else "interrupted"
+            self.progress.close()
+            log.info("%s: checkpoint committed; run the same command again to resume (exit %d)", e, e.exit_code)
+            self.metrics.write(
+                "event", event=status, step=trainer.step, signal=e.signal_name, world_size=ctx.world_size
+            )
+            self.status = status
+            return self._result(status)
+        except (NonFiniteError, CheckpointSaveError) as e:
+            self.progress.close()
+            log.error("%s", e)
+            self.metrics.write("event", event="stopped", step=trainer.step, reason=str(e))
+            raise
+        except UserError:
+            raise  # stops every rank agreed on: nothing to triage
+        except Exception as e:
+            raise self.triage.failed(e, trainer.step + 1) from e
+        finally:
+            self.triage.idle()
+            stop.uninstall()
+        self.progress.close()
+        log.info("done: %d steps; checkpoints in %s", trainer.step, self.cfg.run_dir / "checkpoints")
+        self.status = "completed"
+        if self.cfg.log.track_artifacts and ctx.is_main:
+            self._upload_artifacts()
+        return self._result("completed")
+
+    def _upload_artifacts(self) -> None:
+        """Rank 0: the report and/or the exported model of the finished run, queued for the trackers."""
+        run_dir, wanted = self.cfg.run_dir, self.cfg.log.track_artifacts
+        try:
+            if "report" in wanted:
+                from ddptrain.observe.report import report  # matplotlib loads only here
+
+                report(run_dir)
+                self.metrics.upload(run_dir / "report", "report")
+            if "model" in wanted:
+                export_model(run_dir, run_dir / "export" / "model.safetensors", None, _say)
+                self.metrics.upload(run_dir / "export", "model")
+        except Exception as e:  # the run has succeeded: a failed extra must not change that
+            log.warning("log.track_artifacts: %s: %s; nothing more uploaded", type(e).__name__, e)
+
+    def _result(self, status: str) -> RunResult:
+        t = self.trainer
+        return RunResult(status, t.step, t.last_loss, t.last_val_loss, self.cfg.run_dir)
+
+    def close(self) -> None:
+        """Wait for an in-flight save, stop the watchdog, close the metrics and flush the trackers (every rank)."""
+        self.triage.close()
+        self.checkpointer.wait()
+        self.trainer.certificate.close()
+        self.metrics.close(self.status)
+        self.progress.close()
+        if self.lease is not None:
+            self.lease.release()
+
+
+def resolve_config(config: ConfigSource, overrides: Sequence[str] = ()) -> Config:
+    """A Config from a Config, a mapping of sections, a YAML path or None (the defaults), plus dotted overrides."""
+    if isinstance(config, Config):
+        if not overrides:
+            return config
+        config = config.model_dump(mode="json", by_alias=True)
+    if isinstance(config, Mapping):
+        return config_from_mapping(config, list(overrides))
+    return load_config(str(config) if config is not None else None, list(overrides))
+
+
+def build_run(
+    cfg: Config,
+    ctx: DistContext,
+    model: nn.Module | None = None,
+    datasets: Datasets | None = None,
+    trainer_cls: type[Trainer] = Trainer,
+) -> Run:
+    """Steps 2-8 of the module docstring on every rank of ctx (the process group already exists).
+
+    trainer_cls: a subclass of Trainer with step methods of your own (the benchmarks use one).
+    """
+    run_dir = cfg.run_dir
+    require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
+    lease = take_lease(run_dir, ctx)
+    try:
+        return _build(cfg, ctx, lease, model, datasets, trainer_cls)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def take_lease(run_dir: Path, ctx: DistContext) -> RunLease | None:
+    """Step 2's lease: rank 0 takes run.dir's lease; every rank learns the outcome and a refusal exits 2 on all.
+
+    Returns the lease on rank 0, None elsewhere.
+    """
+    lease: RunLease | None = None
+    error: str | None = None
+    if ctx.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)  # run.dir itself may be a link the user made
+            lease = RunLease(run_dir).acquire()
+        except LeaseHeld as e:
+            error = str(e)
+        except OSError as e:
+            error = f"cannot take the lease on run folder {run_dir}: {e.strerror or e}"
+    if ctx.is_distributed:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise LeaseHeld(error)
+    if lease is not None and lease.took_over is not None:
+        log.warning("took over the lease of a run that is gone (%s)", lease.took_over.describe())
+    return lease
+
+
+def _build(
+    cfg: Config,
+    ctx: DistContext,
+    lease: RunLease | None,
+    model: nn.Module | None,
+    datasets: Datasets | None,
+    trainer_cls: type[Trainer],
+) -> Run:
+    run_dir = cfg.run_dir
+    live_datasets = datasets is not None
+    data_vocab = None
+    if datasets is None:
+        ensure_default_corpus(cfg, ctx)
+        data_vocab = read_meta(Path(cfg.data.dir))["vocab_size"] if cfg.data.target is None else None
+        cfg.model = fit_vocab_to_data(cfg.model, data_vocab)  # the built-in GPT takes the data's vocabulary
+    if ctx.is_main:
+        try:
+            write_text_replace(run_dir / "config.yaml", cfg.to_yaml())
+        except OSError as e:
+            raise UserError(f"cannot write the run folder {run_dir}: {e.strerror or e}") from None
+    seed_everything(cfg.run.seed)
+    train_set, val_set = build_datasets(cfg) if datasets is None else datasets
+    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_datasets))
+    if model is None:
+        model = build_model(cfg.model, data_vocab)  # same seed on every rank: identical init (DDP also broadcasts it)
+    wrapped = wrap_model(model, cfg, ctx)
+    seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
+    progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
+    metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
+    config = cfg.model_dump(mode="json", by_alias=True)
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets))
+    trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
+    trainer.setup()
+    checkpointer.setup()
+    triage = Triage(ctx, run_dir, cfg.dist.timeout_s, Budgets.from_config(cfg), metrics.write)
+    triage.setup()
+    run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease)
+    try:
+        _resume(run)
+    except BaseException:
+        run.lease = None  # released by build_run
+        run.close()
+        raise
+    return run
+
+
+def _say(text: str) -> None:
+    """The callback through which the checkpoint search and the trackers still report (they take a
+    `say` function, not a logger): their warnings come prefixed with "warning: "."""
+    if text.startswith("warning: "):
+        log.warning(text.removeprefix("warning: "))
+    else:
+        log.info(text)
+
+
+def _data_identity(cfg: Config, train_set: Dataset[Any], val_set: Dataset[Any] | None, live: bool) -> dict[str, Any]:
+    if cfg.data.target is None and not live:
+        return corpus_identity(Path(cfg.data.dir))
+    return datasets_identity(train_set, val_set, None if live else cfg.data.target)
+
+
+def _resume(run: Run) -> None:
+    """Step 8: load the checkpoint ckpt.resume names (if any) and announce the run."""
+    cfg, ctx, trainer = run.cfg, run.ctx, run.trainer
+    found = run.checkpointer.find_resume(_say)
+    if found:
+        ckpt = found.checkpoint
+        trainer.resume(ckpt)
+        log.info(
+            "resuming from %s (step %d; saved at world size %s, now %d, grad accumulation %d)",
+            ckpt.path,
+            trainer.step,
+            ckpt.manifest.world_size,
+            ctx.world_size,
+            trainer.accum,
+        )
+        if found.changes:
+            log.info(
+                "config changed since %s, applied from step %d on: %s",
+                ckpt.path.name,
+                trainer.step,
+                ", ".join(c.describe() for c in found.changes),
+            )
+            run.metrics.write(
+                "event",
+                event="config_change",
+                step=trainer.step,
+                checkpoint=ckpt.path.name,
+                changes=[{"key": c.key, "old": c.old, "new": c.new} for c in found.changes],
+            )
+        if cfg.model.init_from:
+            log.info("model.init_from ignored: the run folder has checkpoints and resume wins")
+    elif cfg.model.init_from:
+        loaded = init_weights_from(trainer.model, cfg.model.init_from, cfg.model)
+        log.info("initialised the model from %s (weights only: fresh optimizer, step 0)", loaded)
+    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    log.info(
+        f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
+        f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
+        f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
+    )
+    log.info(trainer.throughput.describe())
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    run.metrics.write(
+        "event",
+        event="resume" if found else "start",
+        step=trainer.step,
+        world_size=ctx.world_size,
+        grad_accum=trainer.accum,
+        restart_count=restarts,
+        host=ctx.hostname,
+    )
+
+
+def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
+    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait)."""
+    if cfg.data.target is not None or cfg.data.dir != DEFAULT_DATA_DIR:
+        return
+    data_dir = Path(cfg.data.dir)
+    error: str | None = None
+    if ctx.local_rank == 0 and not corpus_ready(data_dir):
+        if ctx.is_main:
+            log.info("preparing the default corpus (Python standard library sources) into %s", data_dir)
+        try:
+            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction)
+        except (DataError, OSError) as e:
+            error = str(e)
+    # Every rank learns whether preparation failed; nobody waits on a rank that gave up.
+    if any_rank(ctx, error is not None):
+        raise DataError(error or f"preparing the default corpus in {data_dir} failed on another rank")
+
+
+@contextmanager
+def distributed(cfg: Config) -> Iterator[DistContext]:
+    """Step 1 and its undoing: the process group for this process's share of the job."""
+    env = read_torchrun_env()
+    cfg.grad_accum_steps(env[1] if env else 1)  # fail on an indivisible batch before any rendezvous
+    enable_flight_recorder(cfg.run_dir / "stacks")  # torch reads it when the process group is created
+    ctx = init_distributed(cfg.dist)
+    try:
+        yield ctx
+    finally:
+        close_distributed(ctx)
+
+
+def train(
+    config: ConfigSource = None,
+    *,
+    model: nn.Module | None = None,
+    datasets: Datasets | None = None,
+    overrides: Sequence[str] = (),
+) -> RunResult:
+    """Train per the config on this process's share of the job (one process, or one rank under torchrun).
+
+    config: a Config, a mapping of config fields, a YAML path, or None for the defaults; overrides are
+    dotted `key=value` strings applied on top. model: a live nn.Module instead of `model.target`/the
+    built-in GPT (build it the same way on every rank). datasets: (train, val or None) instead of
+    `data.*`. Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
+    """
+    cfg = resolve_config(config, overrides)
+    with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
+        run = build_run(cfg, ctx, model, datasets)
+        try:
+            return run.fit()
+        finally:
+            run.close()

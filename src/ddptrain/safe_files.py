@@ -1,0 +1,61 @@
+"""Opening and writing files in a run folder without following links planted there.
+
+A run folder may be shared (a cluster filesystem) or prepared by someone else: a symlink in it
+named like one of our files (a log, metrics.jsonl, a checkpoint's temp folder) must never make us
+write through it into whatever it points at. Every file ddptrain writes under run.dir goes
+through these helpers, which refuse symlinks (O_NOFOLLOW) instead of following them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import IO, Any
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def refuse_symlink(path: Path) -> None:
+    """OSError(ELOOP) naming path when it is a symbolic link (a planted one must never be followed)."""
+    if path.is_symlink():
+        raise OSError(40, "refusing to follow a symbolic link", str(path))
+
+
+def ensure_dir(path: Path) -> None:
+    """mkdir -p, refusing when path (or the part created here) is a symbolic link."""
+    refuse_symlink(path)
+    path.mkdir(parents=True, exist_ok=True)
+    refuse_symlink(path)
+
+
+def open_append_no_follow(path: Path, **kwargs: Any) -> IO[str]:
+    """A text file opened for appending; OSError when path is a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _NOFOLLOW | os.O_CLOEXEC, 0o644)
+    stream: IO[str] = os.fdopen(fd, "a", **kwargs)
+    return stream
+
+
+def open_new_no_follow(path: Path) -> IO[bytes]:
+    """A new binary file; OSError when anything (a file, a link) already has that name."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
+
+
+def read_bytes_no_follow(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (at most limit + 1 of them); OSError for a link or a non-file."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(21, "not a regular file", str(path))
+        return f.read() if limit is None else f.read(limit + 1)
+
+
+def write_text_replace(path: Path, text: str) -> None:
+    """Write text to a fresh temp file beside path, then rename over path: a link at path is replaced, not followed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    with open_new_no_follow(tmp) as f:
+        f.write(text.encode())
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""Training core: the Trainer and its step, precision, RNG state, coordinated stops."""

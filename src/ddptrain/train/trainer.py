@@ -1,0 +1,402 @@
+"""The Trainer: one object, plainly named steps. Read `train_step` to see a whole DDP step.
+
+fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps
+train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
+                 no device-to-host sync unless the step is logged (`logs_at`)
+evaluate()       mean validation loss over all ranks
+save_checkpoint  transactional save through the Checkpointer
+state_dict()     everything a bit-exact resume needs (RNGs are saved per rank)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
+from ddptrain.config import Config
+from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.dist import DistContext, all_reduce_mean
+from ddptrain.errors import Preempted
+from ddptrain.models.loss import extract_loss, model_name
+from ddptrain.observe.certificate import CertificateWriter, certificate_record
+from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.perf import StepTimer, Throughput
+from ddptrain.observe.stragglers import StragglerMonitor
+from ddptrain.observe.triage import Triage
+from ddptrain.train.agreement import StopAgreement
+from ddptrain.train.evaluation import evaluate_loss
+from ddptrain.train.nonfinite import NonFiniteSteps
+from ddptrain.train.optim import build_optimizer, load_optimizer_state
+from ddptrain.train.parallel import unwrap_model
+from ddptrain.train.precision import Precision
+from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
+from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor  # 1. when the gradient was non-finite and the update was skipped, else 0.
+    seconds: float
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _phase(watchdog: Triage | None, name: str) -> AbstractContextManager[None]:
+    # Evaluation and checkpoints have budgets of their own: they never trip the step budget.
+    return watchdog.phase(name) if watchdog is not None else nullcontext()
+
+
+def _call(model: nn.Module, batch: Any, name: str) -> torch.Tensor:
+    # The user-model protocol: a tuple batch is unpacked positionally, a dict by keyword.
+    return extract_loss(model(**batch) if isinstance(batch, dict) else model(*batch), name)
+
+
+class Trainer:
+    """Trains one model with DDP on the ranks of `ctx`.
+
+    `model` comes already wrapped by train.parallel.wrap_model: constructing a Trainer runs no collective.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        train_set: Dataset[Any],
+        val_set: Dataset[Any] | None,
+        checkpointer: Checkpointer,
+        metrics: MetricsWriter,
+        progress: Progress,
+    ) -> None:
+        self.cfg, self.ctx, self.checkpointer = cfg, ctx, checkpointer
+        self.metrics, self.progress = metrics, progress
+        self.ddp = model  # what the step calls: DDP (and torch.compile) around the user's module
+        self.model = unwrap_model(model)
+        self.model_name = model_name(self.model, cfg.model.target)
+        self.accum = cfg.grad_accum_steps(ctx.world_size)
+        self.optimizer = build_optimizer(self.model, cfg, ctx.device)
+        self.scheduler = build_schedule(self.optimizer, cfg)
+        self.precision = Precision(cfg.train.precision, ctx.device)
+        self.nonfinite = NonFiniteSteps(ctx.device, counted=cfg.train.precision != "fp16")
+        self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
+        n_samples = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
+        self.sampler = ResumableDistributedSampler(
+            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
+        )
+        pin = ctx.device.type == "cuda"
+        # The loader gets its own generator: creating an iterator (at resume, at each epoch)
+        # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
+        self.loader = DataLoader(
+            train_set,
+            batch_size=cfg.data.micro_batch_size,
+            sampler=self.sampler,
+            num_workers=cfg.data.num_workers,
+            pin_memory=pin,
+            generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
+        )
+        self.val_set = val_set
+        self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
+        flops = getattr(self.model, "flops_per_token", None)
+        self.flops_per_token: float | None = flops() if callable(flops) else None
+        self.timer = StepTimer(ctx.device, ctx.is_distributed)
+        self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
+        self.throughput = Throughput(
+            ctx.device,
+            cfg.train.precision,
+            ctx.world_size,
+            cfg.train.global_batch_size,
+            self.tokens_per_sample,
+            self.flops_per_token,
+            cfg.log.peak_tflops,
+        )
+        self.certificate = CertificateWriter(cfg.run_dir, ctx.is_main)  # for `ddptrain verify-resume`
+        self.stragglers = StragglerMonitor(
+            ctx, cfg.log.straggler_every, cfg.log.straggler_factor, cfg.log.straggler_window
+        )
+        self.step = 0
+        self.last_loss: float | None = None  # what the last logged window and evaluation measured
+        self.last_val_loss: float | None = None
+        self._batches: Iterator[Any] | None = None
+
+    def setup(self) -> None:
+        """All ranks, in the run's set-up: the stop agreement's group (a collective only next to NCCL)."""
+        self.agreement.setup()
+
+    def logs_at(self, step: int) -> bool:
+        """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
+        return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
+
+    # ---- the training step ----------------------------------------------------------------
+
+    def next_batch(self) -> Any:
+        """The next micro-batch of this rank; a new epoch (reshuffled) starts when one is used up."""
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._batches = None
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        return _to_device(next(self._batches), self.ctx.device)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `accum` micro-batches of this rank.
+
+        Nothing here waits for the device: the norm stays a tensor and a non-finite step is skipped
+        by the optimizer on the device. On logged steps only, train.on_nonfinite=stop reads the
+        non-finite counter and raises before this step's update.
+        """
+        t0 = time.perf_counter()
+        self.timer.start()
+        self.ddp.train()
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for micro in range(self.accum):
+            batch = self.next_batch()
+            self.timer.lap("data")
+            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() skips
+            # their all-reduce, and the last backward all-reduces the sum once.
+            last = micro == self.accum - 1
+            sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
+            with sync, self.precision.autocast():
+                loss = _call(self.ddp, batch, self.model_name) / self.accum
+            self.timer.lap("forward")
+            self.precision.backward(loss)
+            self.timer.lap("backward")
+            loss_sum += loss.detach()
+        self.sampler.advance()
+        self.precision.unscale_(self.optimizer)
+        # After DDP's all-reduce every rank holds the same gradients, so every rank computes the
+        # same norm: the finite check below is agreed on by all ranks without a collective.
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        skipped = self.nonfinite.check(norm, self.step + 1)  # stays 0. with fp16: the scaler skips overflows
+        if self.cfg.train.on_nonfinite == "stop" and self.logs_at(self.step + 1):
+            self.nonfinite.stop_if_any(self.step + 1)
+        self.precision.step(self.optimizer, skipped)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.timer.lap("optimizer")
+        self.step += 1
+        return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
+
+    # ---- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the first eval_batches micro-batches of every rank."""
+        if self.val_set is None:
+            return None
+        mb, world = self.cfg.data.micro_batch_size, self.ctx.world_size
+        n = min(len(self.val_set), self.cfg.train.eval_batches * mb * world)  # type: ignore[arg-type]
+        return evaluate_loss(self.model, self.val_set, n, mb, self.ctx, self.eval_forward)
+
+    def eval_forward(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one evaluation batch, on the device and under the run's autocast."""
+        with self.precision.autocast():
+            return _call(model, _to_device(batch, self.ctx.device), self.model_name)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank-independent training state (model, optimizer, schedule, scaler, data position)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "trainer": {
+                "step": self.step,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "world_size": self.ctx.world_size,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state_dict(); the data stream continues at the next global sample."""
+        self.model.load_state_dict(state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        t = state["trainer"]
+        self.step = t["step"]
+        self.scheduler.load_state_dict(t["scheduler"])
+        self._apply_lr()
+        self.precision.load_state_dict(t["scaler"])
+        self.sampler.load_state_dict(t["sampler"])
+        self._batches = None
+
+    def _apply_lr(self) -> None:
+        """train.lr of this run, not the checkpoint's: a changed lr scales the schedule from the resume step on.
+
+        Untouched when train.lr is the saved one, so an unchanged config resumes bit-exactly.
+        """
+        lr = self.cfg.train.lr
+        base_lrs = getattr(self.scheduler, "base_lrs", None)
+        if not base_lrs or all(base == lr for base in base_lrs):
+            return
+        for group, base in zip(self.optimizer.param_groups, base_lrs):
+            group["lr"] = group["lr"] * (lr / base) if base else lr
+            group["initial_lr"] = lr
+        self.scheduler.base_lrs = [lr for _ in base_lrs]
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # what get_last_lr() reports
+
+    def save_checkpoint(self) -> None:
+        """All ranks: save the current step (model/optimizer on rank 0, RNG on every rank)."""
+        state = self.state_dict() if self.ctx.is_main else {}
+        self.checkpointer.save(self.step, state, {"rng": rng_state()})
+
+    def resume(self, ckpt: VerifiedCheckpoint) -> None:
+        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged."""
+        shared, local = self.checkpointer.read(ckpt)
+        self.load_state_dict(shared)
+        if local is not None:
+            load_rng_state(local["rng"])
+        else:
+            # A new world size has no saved stream for this rank: derive one deterministically.
+            seed_everything(self.cfg.run.seed + 7919 * self.step + self.ctx.rank)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def fit(self, stop_request: StopRequest | None = None, watchdog: Triage | None = None) -> None:
+        """Train until train.max_steps, logging, evaluating and checkpointing on the way.
+
+        stop_request: a coordinated stop (Preempted or, after Ctrl-C, Interrupted once the checkpoint is
+        committed). The ranks agree on it one
+        step late (train.agreement), so every rank stops after the same step without blocking any.
+        watchdog: armed around each step to dump stacks when a step hangs.
+        """
+        cfg = self.cfg
+        if isinstance(self.scheduler, PlannedSchedule):
+            self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
+        window_loss = torch.zeros((), device=self.ctx.device)
+        window_steps, window_time = 0, 0.0
+        while self.step < cfg.train.max_steps:
+            if watchdog is not None:
+                watchdog.arm(self.step + 1)
+            result = self.train_step()
+            agreed = self.agreement.poll(stop_request.level) if stop_request is not None else NO_STOP
+            stop = agreed != NO_STOP
+            if watchdog is not None:
+                watchdog.disarm()
+            window_loss += result.loss
+            window_steps += 1
+            window_time += result.seconds
+            last = self.step == cfg.train.max_steps
+            if self.logs_at(self.step):
+                self.log_train(window_loss / window_steps, window_steps, window_time, result.grad_norm)
+                window_loss.zero_()
+                window_steps, window_time = 0, 0.0
+            if self.stragglers.due(self.step):
+                self.log_stragglers()
+            if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or last):
+                with _phase(watchdog, "evaluation"):
+                    self.log_eval()
+            if self.checkpointer.due(self.step, final=last, stop=stop):
+                with _phase(watchdog, "checkpoint"):
+                    self.save_checkpoint()
+                    self.report_saves()
+            if stop and not last:
+                self.agreement.wait()
+                with _phase(watchdog, "checkpoint"):
+                    self.finish_saves()
+                raise stop_request.stop_error(self.step, agreed) if stop_request else Preempted(self.step, None)
+        self.agreement.wait()
+        with _phase(watchdog, "checkpoint"):
+            self.finish_saves()
+
+    def finish_saves(self) -> None:
+        """All ranks: wait for the last save; retry it once if it failed; the state at this step is committed or
+        CheckpointSaveError says which step is the newest safe one (the checkpoint policy decides)."""
+        self.checkpointer.wait()
+        self.report_saves()
+        if self.checkpointer.policy.final_retry_needed(self.step):
+            log.warning("retrying the save of step %d, the state this run ends with", self.step)
+            self.save_checkpoint()
+            self.checkpointer.wait()
+            self.report_saves()
+        self.checkpointer.policy.require_final(self.step)
+
+    def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
+        """All ranks: average the window's loss over ranks; rank 0 writes and shows it (the step's host reads)."""
+        loss = float(all_reduce_mean(self.ctx, mean_loss))
+        skipped = self.nonfinite.take().count
+        self.last_loss = loss
+        if self.ctx.is_main:
+            self.certificate.write(
+                certificate_record(
+                    self.step, loss, self.ctx.world_size, self.model, self.optimizer, self.sampler, steps
+                )
+            )
+        record: dict[str, Any] = {
+            "step": self.step,
+            "epoch": self.sampler.epoch,
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "world_size": self.ctx.world_size,
+            "global_batch_size": self.cfg.train.global_batch_size,
+            "grad_accum": self.accum,
+            "step_time_s": seconds / steps,
+            **self.throughput.record(steps, seconds),
+            **self.timer.summary(),
+        }
+        if skipped:
+            record["skipped_steps"] = skipped
+            log.warning("%d step(s) skipped for a non-finite gradient up to step %d", skipped, self.step)
+        self.metrics.write("train", **record)
+        shown: dict[str, Any] = {
+            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu") if k in record
+        }
+        self.progress.update(self.step, shown)
+
+    def log_stragglers(self) -> None:
+        """All ranks: compare local step times; rank 0 records them, every rank logs a straggler warning."""
+        record, warnings = self.stragglers.check(self.step, *self.timer.take_steps())
+        self.metrics.write("ranks", **record)
+        for warning in warnings:
+            log.warning(warning)
+
+    def log_eval(self) -> None:
+        """All ranks evaluate; rank 0 records val_loss."""
+        val_loss = self.evaluate()
+        if val_loss is None:
+            return
+        self.last_val_loss = val_loss
+        self.metrics.write("eval", step=self.step, val_loss=val_loss)
+        log.info("step %6d  val_loss %.4f", self.step, val_loss)
+
+    def report_saves(self) -> None:
+        """Record finished saves; the checkpoint policy then decides whether a failure stops the run."""
+        for r in self.checkpointer.finished():
+            self._report_save(r)
+            self.checkpointer.policy.judge(r)
+
+    def _report_save(self, r: SaveResult) -> None:
+        if r.ok:
+            self.metrics.write(
+                "event", event="checkpoint", step=r.step, blocked_s=r.blocked_s, total_s=r.total_s, path=str(r.path)
+            )
+            log.info("checkpoint step %d committed (%.2fs, loop blocked %.3fs)", r.step, r.total_s, r.blocked_s)
+            return
+        self.metrics.write("event", event="checkpoint_failed", step=r.step, error=r.error)
+        log.error("checkpoint at step %d was not committed: %s; earlier checkpoints are kept", r.step, r.error)

@@ -1,0 +1,145 @@
+"""Ctrl-C is a coordinated stop: every rank stops at one step, a checkpoint is committed, exit 130,
+and running the same command again resumes bit-exactly. A second Ctrl-C quits at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddptrain
+
+from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
+from ddptrain.errors import EXIT_INTERRUPTED
+from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+
+pytestmark = pytest.mark.dist
+
+TOY = [
+    "model.target=faulty:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
+    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1",
+    "ckpt.every_steps=10", "train.max_steps=30",
+]
+SLOW = "model.kwargs.step_sleep=0.1"
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """The command with SIGINT handled as in a terminal (a background shell would have it ignored)."""
+    return subprocess.Popen([sys.executable, "-m", "ddptrain", *argv], env=env_for_subprocess(),
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines()
+                                 if '"kind": "train"' in x):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"step {step} not reached")
+
+
+def assert_interrupted_with_checkpoint(run_dir: Path, log: Path, agent_traceback: bool = False) -> int:
+    """The interrupted event's step, checked against the committed checkpoint and the metrics."""
+    [event] = [r for r in read_metrics(run_dir, "event") if r["event"] == "interrupted"]
+    assert event["signal"] == "SIGINT"
+    newest = committed_checkpoints(run_dir / "checkpoints")[0]
+    assert verify_checkpoint(newest).step == event["step"]
+    assert max(r["step"] for r in read_metrics(run_dir)) == event["step"]  # no rank went further
+    text = log.read_text()
+    assert f"interrupted at step {event['step']} (SIGINT): checkpoint committed" in text
+    if agent_traceback:  # plain torchrun's agent re-raises the signal with a traceback of its own
+        assert text.count("Traceback") <= 1 and f'File "{Path(ddptrain.__file__).parent}' not in text
+    else:
+        assert "Traceback" not in text
+    return int(event["step"])
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    ref, got = final_model_state(a), final_model_state(b)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_single_process_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["train", *TOY, SLOW, f"run.dir={run_dir}"]
+    proc = start(argv, tmp_path / "first.log")
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == EXIT_INTERRUPTED, (tmp_path / "first.log").read_text()[-3000:]
+    step = assert_interrupted_with_checkpoint(run_dir, tmp_path / "first.log")
+    assert 5 <= step < 30
+
+    again = start(argv, tmp_path / "second.log")
+    assert again.wait(120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir, "event") if r["event"] == "resume"] == [step]
+    reference = tmp_path / "reference"
+    done = run_ddptrain(["train", *TOY, f"run.dir={reference}"], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(reference, run_dir)
+
+
+@pytest.mark.timeout(360)
+def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "30", "--", "train", *TOY, SLOW,
+            f"run.dir={run_dir}"]
+    proc = start(argv, tmp_path / "first.log")
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does: the launcher forwards it to the ranks
+    assert proc.wait(90) == EXIT_INTERRUPTED, (tmp_path / "first.log").read_text()[-3000:]
+    step = assert_interrupted_with_checkpoint(run_dir, tmp_path / "first.log")
+    assert "the workers committed a checkpoint" in (tmp_path / "first.log").read_text()
+
+    again = start(argv, tmp_path / "second.log")
+    assert again.wait(180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir, "event") if r["event"] == "resume"] == [step]
+    reference = tmp_path / "reference"
+    done = run_ddptrain(["train", *TOY, f"run.dir={reference}"], nproc=2, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_weights(reference, run_dir)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_to_plain_torchrun_stops_both_ranks_with_a_checkpoint(tmp_path: Path) -> None:
+    """torchrun's agent passes SIGINT on to its workers: they stop together and commit."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddptrain",
+           "train", *TOY, SLOW, f"run.dir={run_dir}"]
+    log = tmp_path / "torchrun.log"
+    proc = subprocess.Popen(cmd, env=env_for_subprocess(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(90)  # torchrun itself re-raises the signal: its own exit code is torch's business
+    assert_interrupted_with_checkpoint(run_dir, log, agent_traceback=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_quits_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # 2 micro-batches x 6 s: a step takes 12 s, so a prompt exit cannot have waited for it.
+    proc = start(["train", *TOY, "model.kwargs.step_sleep=6", "log.every_steps=1", f"run.dir={run_dir}"],
+                 tmp_path / "log")
+    wait_for_step(run_dir, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # the step in progress still has seconds to go
+    assert proc.wait(60) == EXIT_INTERRUPTED
+    assert time.monotonic() - sent < 8, "the second Ctrl-C waited for the step"
+    assert not committed_checkpoints(run_dir / "checkpoints")  # quit, not stopped: nothing was saved
+    text = (tmp_path / "log").read_text()
+    assert "Ctrl-C again to quit at once" in text and "ddptrain train: error: interrupted (Ctrl-C)" in text
+    assert "Traceback" not in text

@@ -1,0 +1,266 @@
+"""Hostile and careless use of a run folder, end to end: other runs' checkpoints, changed configs at resume,
+planted links, two runs at once, a killed run's lease. Each checks the exit code, the one line, and that
+no committed checkpoint was deleted or replaced."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import env_for_subprocess, read_metrics, run_ddptrain
+
+from ddptrain.checkpoint.manifest import manifest_checksum
+from ddptrain.data.corpus import prepare_corpus
+
+pytestmark = pytest.mark.dist
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    """SHA-256 of every file of every committed checkpoint (to prove none was deleted or replaced)."""
+    out = {}
+    for f in sorted((run_dir / "checkpoints").glob("step-*/*")):
+        out[f"{f.parent.name}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def trained(tiny_args: list[str], tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    r = run_ddptrain(["train", *tiny_args])
+    assert r.returncode == 0, r.stderr
+    return run_dir
+
+
+@pytest.mark.timeout(180)
+def test_resume_never_over_an_older_run_is_refused_then_archived(tiny_args: list[str], trained: Path) -> None:
+    before = snapshot(trained)
+    refused = run_ddptrain(["train", *tiny_args, "ckpt.resume=never", "ckpt.keep=1"])
+    assert refused.returncode == 2
+    line = one_error_line(refused)
+    assert "already holds 2 checkpoint(s)" in line and "run.name=NEW_NAME" in line and "ckpt.existing=archive" in line
+    assert snapshot(trained) == before
+    fresh = run_ddptrain(
+        [
+            "train",
+            *tiny_args,
+            "ckpt.resume=never",
+            "ckpt.existing=archive",
+            "ckpt.keep=1",
+            "train.max_steps=2",
+            "ckpt.every_steps=1",
+        ]
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    assert sorted(p.name for p in (trained / "checkpoints").glob("step-*")) == ["step-00000002"]
+    archived = {
+        f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in (trained / "checkpoints" / "archive").glob("*/step-*/*")
+    }
+    assert archived == before  # the older run's checkpoints, byte for byte
+    again = run_ddptrain(["train", *tiny_args, "train.max_steps=3", "ckpt.keep=1"])
+    assert again.returncode == 0 and "step-00000002 (step 2" in again.stdout  # never the old run's step 6
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["model.n_embd=64"], "model.n_embd (32 -> 64)"),
+        (["train.global_batch_size=16"], "train.global_batch_size (8 -> 16)"),
+        (["train.global_batch_size=4"], "train.global_batch_size (8 -> 4)"),
+        (
+            ["model.n_layer=2", "train.global_batch_size=16"],
+            "model.n_layer (1 -> 2), train.global_batch_size (8 -> 16)",
+        ),
+        (["DATA"], "data.dir (corpus SHA-256"),
+    ],
+)
+@pytest.mark.timeout(180)
+def test_resume_with_a_changed_identity_exits_2_naming_each_key(
+    tiny_args: list[str], trained: Path, tmp_path: Path, change: list[str], named: str
+) -> None:
+    if change == ["DATA"]:
+        other = tmp_path / "other-corpus"
+        prepare_corpus([Path(json.__file__), Path(shutil.__file__)], other, 0.1)
+        change = [f"data.dir={other}"]
+    before = snapshot(trained)
+    refused = run_ddptrain(["train", *tiny_args, *change, "train.max_steps=9"])
+    assert refused.returncode == 2
+    line = one_error_line(refused)
+    assert named in line and "Ways forward" in line and "run.name=NEW_NAME" in line, line
+    assert snapshot(trained) == before
+
+
+@pytest.mark.timeout(180)
+def test_hyper_parameter_changes_are_applied_and_logged(tiny_args: list[str], trained: Path) -> None:
+    r = run_ddptrain(["train", *tiny_args, "train.max_steps=8", "train.lr=0.0005", "log.every_steps=2"])
+    assert r.returncode == 0, r.stderr
+    (event,) = [e for e in read_metrics(trained, "event") if e["event"] == "config_change"]
+    assert event["step"] == 6 and event["checkpoint"] == "step-00000006"
+    assert {c["key"]: c["new"] for c in event["changes"]} == {
+        "train.max_steps": 8,
+        "train.lr": 0.0005,
+        "log.every_steps": 2,
+    }
+    assert "config changed since step-00000006" in r.stdout
+    lrs = {m["step"]: m["lr"] for m in read_metrics(trained)}
+    # both ends of the cosine (min_lr_ratio 0.1): the old peak before the resume, the new one after
+    assert lrs[6] == pytest.approx(0.003 * 0.1) and lrs[8] == pytest.approx(0.0005 * 0.1)
+
+
+def flip_world_size(folder: Path) -> None:
+    p = folder / "manifest.json"
+    p.write_text(p.read_text().replace('"world_size": 1', '"world_size": 3'))
+
+
+def files_emptied(folder: Path) -> None:
+    p = folder / "manifest.json"
+    fields = json.loads(p.read_text())
+    fields["files"] = {}
+    fields["checksum"] = manifest_checksum(fields)
+    p.write_text(json.dumps(fields))
+
+
+def invalid_utf8(folder: Path) -> None:
+    p = folder / "manifest.json"
+    data = bytearray(p.read_bytes())
+    data[20] = 0xFF
+    p.write_bytes(bytes(data))
+
+
+def escaping_name(name: str):  # type: ignore[no-untyped-def]
+    def mutate(folder: Path) -> None:
+        p = folder / "manifest.json"
+        fields = json.loads(p.read_text())
+        fields["files"][name] = {"sha256": "0" * 64, "size": 1}
+        fields["checksum"] = manifest_checksum(fields)
+        p.write_text(json.dumps(fields))
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (flip_world_size, "does not match its own checksum"),
+        (files_emptied, "does not list model.pt"),
+        (invalid_utf8, "not valid UTF-8"),
+        (escaping_name("../../../../etc/passwd"), "not a plain file name"),
+        (escaping_name("/etc/passwd"), "not a plain file name"),
+    ],
+)
+@pytest.mark.timeout(180)
+def test_a_malformed_newest_manifest_falls_back_with_one_warning(
+    tiny_args: list[str], trained: Path, mutate, reason: str
+) -> None:  # type: ignore[no-untyped-def]
+    mutate(trained / "checkpoints" / "step-00000006")
+    r = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stdout.splitlines() if "checkpoint rejected" in line]
+    assert len(warnings) == 1 and "step-00000006" in warnings[0] and reason in warnings[0], r.stdout
+    assert "resuming from" in r.stdout and "step-00000003 (step 3" in r.stdout
+    assert "passwd" not in r.stdout.replace("'../../../../etc/passwd'", "").replace("'/etc/passwd'", "")
+
+
+@pytest.mark.timeout(180)
+def test_planted_links_are_never_followed(tiny_args: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".tmp-step-00000003").symlink_to(victim)
+    r = run_ddptrain(["train", *tiny_args])
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in victim.iterdir()] == ["precious.txt"] and (victim / "precious.txt").read_text() == "keep me"
+    assert not (run_dir / "checkpoints" / ".tmp-step-00000003").is_symlink()
+    (run_dir / "metrics.jsonl").rename(tmp_path / "old-metrics.jsonl")
+    (run_dir / "metrics.jsonl").symlink_to(victim / "precious.txt")
+    before = snapshot(run_dir)
+    refused = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
+    assert refused.returncode == 2
+    assert "metrics.jsonl" in one_error_line(refused)
+    assert (victim / "precious.txt").read_text() == "keep me" and snapshot(run_dir) == before
+
+
+def start(args: list[str], nproc: int = 0) -> subprocess.Popen[str]:
+    cmd = (
+        [sys.executable, "-m", "ddptrain", *args]
+        if not nproc
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "ddptrain",
+            *args,
+        ]
+    )
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_subprocess(), start_new_session=True
+    )
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+@pytest.mark.timeout(300)
+def test_two_runs_on_one_folder_exactly_one_trains(tiny_args: list[str], tmp_path: Path, nproc: int) -> None:
+    args = ["train", *tiny_args, "train.max_steps=30", "ckpt.every_steps=5"]
+    a, b = start(args, nproc), start(args, nproc)  # the same moment
+    outs = [p.communicate(timeout=240) for p in (a, b)]
+    codes = [a.returncode, b.returncode]
+    # Plain torchrun reports any failed worker as 1; its summary keeps each worker's own exit code.
+    assert sorted(codes) == ([0, 2] if not nproc else [0, 1]), (codes, outs)
+    loser = outs[codes.index(max(codes))][1]
+    assert loser.count("is in use by another run (pid ") == max(nproc, 1), loser
+    assert "src/ddptrain" not in loser, loser  # no worker traceback (torchrun's agent prints its own)
+    if nproc:
+        assert loser.count("exitcode  : 2") + loser.count("exitcode: 2") >= 1, loser
+    run_dir = tmp_path / "run"
+    starts = [e for e in read_metrics(run_dir, "event") if e["event"] in ("start", "resume")]
+    assert len(starts) == 1  # the loser never wrote a record
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
+        "step-00000020",
+        "step-00000025",
+        "step-00000030",
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_runs_lease_is_taken_over(tiny_args: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    victim = start(["train", *tiny_args, "train.max_steps=100000", "ckpt.every_steps=3"])
+    wait_for(run_dir / "checkpoints" / "step-00000003")
+    held = run_ddptrain(["train", *tiny_args, "train.max_steps=9"])
+    assert held.returncode == 2 and f"pid {victim.pid} on" in one_error_line(held)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.communicate(timeout=30)
+    assert (run_dir / ".lease").exists()  # a SIGKILLed owner cannot clean up
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1].name
+    after = run_ddptrain(
+        ["train", *tiny_args, "train.max_steps=1000000", "train.max_steps=" + str(int(newest[5:]) + 2)]
+    )
+    assert after.returncode == 0, after.stderr
+    assert f"took over the lease of a run that is gone (pid {victim.pid} on" in after.stdout
+    assert not (run_dir / ".lease").exists()

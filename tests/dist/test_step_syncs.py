@@ -1,0 +1,32 @@
+"""Two ranks under torchrun (real DDP, the built-in GPT, a stop request installed): no host sync on unlogged steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import TESTS_DIR, TINY, env_for_subprocess
+
+pytestmark = pytest.mark.dist
+
+STEPS, LOG_EVERY = 9, 4
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_make_no_host_sync_on_unlogged_steps(corpus_dir: Path, tmp_path: Path) -> None:
+    overrides = [*TINY, f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
+                 f"log.every_steps={LOG_EVERY}", "ckpt.every_steps=0", "log.straggler_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(TESTS_DIR / "sync_worker.py"), str(tmp_path), *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env_for_subprocess())
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = {s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0 or s == STEPS}
+    for rank in range(2):
+        calls = json.loads((tmp_path / f"syncs-rank{rank}.json").read_text())["calls"]
+        device = [(step, kind, where) for step, kind, where, host_side in calls if not host_side]
+        assert [c for c in device if c[0] not in logged] == [], f"rank {rank}"
+        assert {c[0] for c in device} == logged, f"rank {rank}: the recorder saw no reads on the logged steps"

@@ -1,0 +1,138 @@
+"""MLflow tracking against a real `mlflow server` (SQLite backend, local artifacts) on 127.0.0.1.
+
+One server per module (it takes 10-30 s to start here). A run killed with SIGKILL under torchrun
+and resumed at another world size stays one MLflow run whose metric history holds each step once,
+in order; a server stopped mid-run costs training nothing and loses nothing silently.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import env_for_subprocess, run_ddptrain
+from tracking_harness import MlflowServer
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("mlflow", reason="the mlflow extra is not installed (pip install 'ddptrain[mlflow]')")
+
+GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    s = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    s.start()
+    yield s
+    s.stop()
+
+
+def tracked(server: MlflowServer, experiment: str) -> list[str]:
+    return ["log.trackers=[mlflow]", f"log.mlflow_tracking_uri={server.uri}", f"log.mlflow_experiment={experiment}"]
+
+
+def steps_of(client: object, run_id: str, key: str) -> list[int]:
+    return [m.step for m in client.get_metric_history(run_id, key)]  # type: ignore[attr-defined]
+
+
+def only_run(client: object, experiment: str) -> object:
+    exp = client.get_experiment_by_name(experiment)  # type: ignore[attr-defined]
+    runs = client.search_runs([exp.experiment_id])  # type: ignore[attr-defined]
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+@pytest.mark.timeout(420)
+def test_two_ranks_killed_then_resumed_at_one_rank_is_one_run(server: MlflowServer, corpus_dir: Path,
+                                                               tmp_path: Path) -> None:
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    kwargs = {**GPT, "die_at_call": 4 * 2 + 1, "marker": str(marker), "rank": 0}  # 1st micro-batch of step 5
+    args = ["train", f"data.dir={corpus_dir}", f"run.dir={run_dir}", "model.block_size=32",
+            "model.target=toy:build_killable_gpt", "model.kwargs=" + str(kwargs).replace("'", ""),
+            "data.micro_batch_size=4", "train.global_batch_size=16", f"train.max_steps={STEPS}",
+            "train.warmup_steps=2", "train.eval_every=4", "log.every_steps=1", "ckpt.every_steps=3",
+            *tracked(server, "killed-and-resumed"), "log.track_artifacts=[report,model]"]
+    first = run_ddptrain(args, nproc=2, timeout=200)
+    assert first.returncode != 0 and marker.exists(), first.stdout + first.stderr
+    second = run_ddptrain(args, timeout=200)  # world size 1 now: accumulation 4 instead of 2
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from" in second.stdout and "step-00000003" in second.stdout
+
+    client = server.client()
+    run = only_run(client, "killed-and-resumed")
+    run_id = run.info.run_id  # type: ignore[attr-defined]
+    assert run_id in (run_dir / "trackers.json").read_text()
+    assert steps_of(client, run_id, "train/loss") == list(range(1, STEPS + 1))  # each step once, in order
+    assert steps_of(client, run_id, "eval/val_loss") == [4, 8]
+    tags, params = run.data.tags, run.data.params  # type: ignore[attr-defined]
+    assert params["train.lr"] == "0.003" and params["train.global_batch_size"] == "16"
+    assert tags["ddptrain.attempts"] == "2" and tags["ddptrain.label.resumed"] == "true"
+    assert tags["ddptrain.attempt.2"].startswith("resume at step 3, world size 1")
+    assert tags["ddptrain.world_size_change.2"] == "2 -> 1 at step 3"
+    assert tags["sys.world_size"] == "1" and tags["sys.torch"].startswith("2.")
+    assert tags["ddptrain.status"] == "completed" and run.info.status == "FINISHED"  # type: ignore[attr-defined]
+    uploaded = {a.path for folder in ("report", "model") for a in client.list_artifacts(run_id, folder)}
+    assert {"report/loss.png", "report/summary.txt", "model/model.safetensors", "model/model.json"} <= uploaded
+
+
+def wait_for(condition: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_server_down_mid_run_training_finishes_and_counts_what_it_lost(server: MlflowServer, tmp_path: Path) -> None:
+    """Steps 1-4 delivered, server stopped for steps 5-16, back for 17-20 (the model waits at calls 5 and 17).
+
+    Six records fit in the queue: the oldest of those logged while the server is down are dropped.
+    """
+    run_dir, gates = tmp_path / "run", tmp_path / "gates"
+    gates.mkdir()
+    model = {"dim": 8, "gates": [5, 17], "gate_dir": str(gates)}
+    args = ["train", f"run.dir={run_dir}", "model.target=tracker_toy:build_gated_model",
+            "model.kwargs=" + str(model).replace("'", ""), "data.target=toy:build_datasets",
+            "data.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=20", "train.eval_every=0",
+            "log.every_steps=1", "ckpt.every_steps=0", "log.tracker_buffer=6", "log.tracker_flush_s=90",
+            *tracked(server, "outage")]
+    proc = subprocess.Popen([sys.executable, "-m", "ddptrain", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env_for_subprocess())
+    try:
+        client = server.client()
+        wait_for(lambda: (gates / "waiting-5").exists(), 120, "step 5")
+        run_id = lambda: re.search(r'"run_id": "(\w+)"', (run_dir / "trackers.json").read_text()).group(1)  # noqa: E731
+        wait_for(lambda: (run_dir / "trackers.json").exists() and "run_id" in (run_dir / "trackers.json").read_text(),
+                 60, "the MLflow run")
+        wait_for(lambda: steps_of(client, run_id(), "train/loss") == [1, 2, 3, 4], 60, "steps 1-4 on the server")
+        server.stop()
+        (gates / "go-5").write_text("")
+        wait_for(lambda: (gates / "waiting-17").exists(), 120, "step 17 (steps 5-16 trained, server down)")
+        server.start()
+        (gates / "go-17").write_text("")
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "done: 20 steps" in out
+    failures = [line for line in out.splitlines() if line.startswith("warning: mlflow") and "retrying every" in line]
+    assert len(failures) == 1, out  # one warning for the outage, not one per record
+    assert len([line for line in out.splitlines() if "reachable again" in line]) == 1, out
+    dropped = sum(int(n) for n in re.findall(r"(\d+) record\(s\) were dropped", out))
+    steps = steps_of(client, run_id(), "train/loss")
+    assert steps == sorted(set(steps)), steps  # in order, each once
+    assert set(range(1, 5)) | set(range(17, 21)) <= set(steps)  # before and after the outage: all there
+    assert len(steps) + dropped == 20, (steps, out)  # what is missing was counted in a warning
+    assert dropped > 0, out  # 12 records logged while down, 6 fit in the queue
+    assert client.get_run(run_id()).info.status == "FINISHED"

@@ -1,0 +1,99 @@
+"""Logging on a full disk says so once; the data identity that every rank compares at start."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from ddptrain.data.identity import agree_on_data, check_same_data, corpus_identity, datasets_identity
+from ddptrain.dist import DistContext
+from ddptrain.errors import DataError
+from ddptrain.observe.metrics import MetricsWriter
+from ddptrain.observe.runlog import PACKAGE_LOG, RankFileHandler
+
+FULL = Path("/dev/full")  # every write fails with ENOSPC
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+def test_a_full_disk_while_logging_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    handler = RankFileHandler(FULL)
+    PACKAGE_LOG.addHandler(handler)
+    try:
+        for i in range(150):
+            logging.getLogger("ddptrain.tests").info("record %d", i)
+    finally:
+        PACKAGE_LOG.removeHandler(handler)
+        handler.setLevel(logging.NOTSET)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "warning: cannot write the log to /dev/full (No space left on device); logging there stops"
+    ]
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+def test_a_full_disk_while_writing_metrics_is_one_warning(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path, enabled=True)
+    assert writer._file is not None
+    writer._file.close()
+    writer._file = open(FULL, "a", buffering=1)  # the same sink on a disk with no space left
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    PACKAGE_LOG.addHandler(handler)
+    try:
+        for step in range(50):
+            writer.write("train", step=step, loss=1.0)
+    finally:
+        PACKAGE_LOG.removeHandler(handler)
+    writer.close()
+    warnings = [r.getMessage() for r in seen if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+
+
+class Augmented(Dataset):
+    """Samples with random augmentation drawn from the global torch RNG, as user datasets often do."""
+
+    def __init__(self, n: int, offset: float = 0.0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((3,), float(i) + self.offset) + torch.rand(3), "y": torch.tensor(i % 2)}
+
+
+def test_datasets_identity_is_reproducible_and_leaves_the_random_streams_alone() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    before = torch.get_rng_state(), random.getstate()
+    a = datasets_identity(Augmented(10), Augmented(4), "pkg:data")
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    torch.manual_seed(0)
+    assert datasets_identity(Augmented(10), Augmented(4), "pkg:data") == a  # same seed: same fingerprint
+    torch.manual_seed(0)
+    assert datasets_identity(Augmented(10, offset=1.0), Augmented(4), "pkg:data")["fingerprint"] != a["fingerprint"]
+    assert datasets_identity(Augmented(11), None)["train_len"] == 11
+
+
+def test_corpus_identity_names_hash_sizes_and_tokenizer(corpus_dir: Path) -> None:
+    identity = corpus_identity(corpus_dir)
+    assert len(identity["sha256"]) == 64 and identity["train_tokens"] > 0 and identity["tokenizer"] == "bytes/uint8"
+    agree_on_data(DistContext(), identity)  # one process always agrees with itself
+
+
+def test_disagreement_names_ranks_hosts_and_keys() -> None:
+    """The comparison every rank runs on the gathered identities (the collective: tests/dist/test_exit_codes.py)."""
+    gathered = [
+        {"sha256": "aaa", "train_tokens": 10},
+        {"sha256": "aaa", "train_tokens": 10},
+        {"sha256": "bbb", "train_tokens": 10},
+    ]
+    with pytest.raises(DataError, match=r"sha256: 'aaa' on rank 0 \(node-a\) vs 'bbb' on rank 2 \(node-c\)"):
+        check_same_data(gathered, ("node-a", "node-b", "node-c"))
+    check_same_data(gathered[:2], ("node-a", "node-b"))

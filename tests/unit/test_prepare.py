@@ -1,0 +1,121 @@
+"""Prepare: tokenizers, shards, JSON Lines, the legacy format, and samples independent of the shard size."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddptrain.data.corpus import PrepareOptions, prepare_corpus, read_meta
+from ddptrain.data.dataset import load_token_datasets
+from ddptrain.data.shards import ShardWriter, TokenSequence
+from ddptrain.data.tokenizer import load_tokenizer_file, sha256_file, smallest_dtype
+from ddptrain.errors import ConfigError, DataError
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+FILES = [STDLIB / n for n in ("argparse.py", "typing.py", "inspect.py", "textwrap.py", "json/decoder.py")]
+
+
+@pytest.mark.parametrize(
+    "vocab, dtype", [(2, "uint8"), (256, "uint8"), (257, "uint16"), (65536, "uint16"), (65537, "uint32")]
+)
+def test_smallest_dtype(vocab: int, dtype: str) -> None:
+    assert smallest_dtype(vocab).name == dtype
+
+
+@given(sizes=st.lists(st.integers(0, 300), max_size=6), shard=st.integers(31, 97))
+@settings(max_examples=25, deadline=None)  # every shard is fsynced: keep their number small
+def test_shards_are_one_sequence_whatever_the_cut(
+    tmp_path_factory: pytest.TempPathFactory, sizes: list[int], shard: int
+) -> None:
+    out = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(len(sizes) * 1000 + shard)
+    chunks = [rng.integers(0, 60000, n).astype(np.uint16) for n in sizes]
+    writer = ShardWriter(out, "train", shard, np.dtype(np.uint16))
+    for c in chunks:
+        writer.append(c)
+    shards = writer.finish()
+    whole = np.concatenate(chunks) if chunks else np.zeros(0, np.uint16)
+    assert all(s["tokens"] == shard for s in shards[:-1]) and sum(s["tokens"] for s in shards) == len(whole)
+    assert not list(out.glob(".*.tmp"))
+    if len(whole):
+        seq = TokenSequence([out / s["file"] for s in shards], np.dtype(np.uint16))
+        lo, hi = sorted(rng.integers(0, len(whole) + 1, 2))
+        assert np.array_equal(seq.slice(int(lo), int(hi)), whole[lo:hi])
+
+
+def test_samples_do_not_depend_on_the_shard_size(tmp_path: Path) -> None:
+    a = prepare_corpus(FILES, tmp_path / "a", 0.1, PrepareOptions(task_bytes=1 << 14)).out_dir
+    b = prepare_corpus(FILES, tmp_path / "b", 0.1, PrepareOptions(task_bytes=1 << 14, shard_tokens=5000)).out_dir
+    assert len(read_meta(b)["shards"]["train"]) > 5
+    for (ta, va), (tb, vb) in [(load_token_datasets(a, 64), load_token_datasets(b, 64))]:
+        assert len(ta) == len(tb) and len(va) == len(vb)
+        for i in [0, 1, len(ta) // 2, len(ta) - 1]:
+            assert all(torch.equal(x, y) for x, y in zip(ta[i], tb[i]))
+
+
+def test_bytes_is_the_historic_corpus(tmp_path: Path) -> None:
+    """One task: the last val_fraction of all bytes is validation, exactly as before shards existed."""
+    info = prepare_corpus(FILES[:3], tmp_path, 0.1)
+    raw = b"".join(p.read_bytes() for p in FILES[:3])
+    meta = read_meta(tmp_path)
+    assert (meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["tokenizer"]["file"]) == ("uint8", 256, None, None)
+    n_val = int(len(raw) * 0.1)
+    train = np.fromfile(tmp_path / meta["shards"]["train"][0]["file"], np.uint8)
+    assert info.val_tokens == n_val and train.tobytes() == raw[: len(raw) - n_val]
+
+
+def test_legacy_single_file_corpus_still_loads(tmp_path: Path) -> None:
+    data = np.frombuffer(b"".join(p.read_bytes() for p in FILES[:2]), np.uint8)
+    data[:-5000].tofile(tmp_path / "train.bin")
+    data[-5000:].tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"vocab_size": 256, "dtype": "uint8", "train_tokens": len(data) - 5000, "val_tokens": 5000})
+    )
+    train, val = load_token_datasets(tmp_path, 32)
+    assert len(val) == 4999 // 32
+    assert bytes(train[0][0].tolist()) == data[:32].tobytes()
+
+
+def test_trained_bpe_round_trips_and_separates_documents(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    info = prepare_corpus(FILES, tmp_path, 0.1, PrepareOptions(tokenizer="train:2048", workers=2, task_bytes=1 << 15))
+    meta = read_meta(tmp_path)
+    tok = load_tokenizer_file(tmp_path / "tokenizer.json")
+    assert (meta["vocab_size"], meta["dtype"], meta["eos_id"]) == (2048, "uint16", tok.eos_id)
+    assert meta["tokenizer"]["sha256"] == sha256_file(tmp_path / "tokenizer.json")
+    for path in FILES:
+        text = path.read_text()
+        assert tok.decode(tok.encode(text)) == text
+    tokens = np.concatenate(
+        [np.fromfile(tmp_path / s["file"], np.uint16) for split in ("train", "val") for s in meta["shards"][split]]
+    )
+    assert int((tokens == tok.eos_id).sum()) == info.documents == len(FILES)
+    assert info.train_tokens + info.val_tokens < sum(p.stat().st_size for p in FILES) / 2  # BPE compresses
+
+
+def test_jsonl_documents_and_bad_lines(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    lines = [json.dumps({"text": p.read_text(), "id": i}) for i, p in enumerate(FILES)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    info = prepare_corpus(
+        [tmp_path / "docs.jsonl"], tmp_path / "out", 0.1, PrepareOptions(tokenizer="train:512", task_bytes=1 << 14)
+    )
+    assert info.documents == len(FILES)
+    with pytest.raises(DataError, match="no string field 'body'"):
+        prepare_corpus([tmp_path / "docs.jsonl"], tmp_path / "out2", 0.1, PrepareOptions(jsonl_field="body"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(DataError, match="invalid JSON in the line at byte 17"):
+        prepare_corpus([tmp_path / "bad.jsonl"], tmp_path / "out3", 0.1)
+
+
+@pytest.mark.parametrize("spec", ["train:100", "train:x", "no/such/tokenizer.json"])
+def test_bad_tokenizer_spec(tmp_path: Path, spec: str) -> None:
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        prepare_corpus(FILES, tmp_path, 0.1, PrepareOptions(tokenizer=spec))
