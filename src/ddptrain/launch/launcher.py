@@ -52,6 +52,8 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
+from ddptrain.etcd_endpoints import ETCD_BACKENDS, format_endpoints, parse_endpoints, require_client, wait_healthy
+from ddptrain.launch.etcd_rdzv import etcd_handler
 from ddptrain.launch.torch_support import check_torch
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
 
@@ -78,14 +80,26 @@ def add_parser(sub: Any) -> None:
         help="workers on this node: a number, or auto = one per GPU, else one per CPU (default auto)",
     )
     p.add_argument(
+        "--rdzv-backend",
+        default="c10d",
+        choices=("c10d", *ETCD_BACKENDS),
+        help="c10d: a node hosts the rendezvous (losing it ends the job); etcd-v2 or etcd: an existing etcd "
+        "cluster does, and any node may be lost (needs the etcd extra; docs/multinode.md) (default c10d)",
+    )
+    p.add_argument(
         "--rdzv-endpoint",
-        help="HOST:PORT of the rendezvous, the same on every node; the node whose --node-addr is HOST hosts it",
+        help="c10d: HOST:PORT of the rendezvous, the same on every node; the node whose --node-addr is HOST hosts "
+        "it. etcd: HOST[:PORT],... of the etcd members (port 2379 when left out)",
     )
     p.add_argument(
         "--node-addr",
         help="address this node advertises to the others (and the one gloo uses); default: torchrun's hostname lookup",
     )
-    p.add_argument("--run-id", help="rendezvous id, the same on every node (default: derived from --rdzv-endpoint)")
+    p.add_argument(
+        "--run-id",
+        help="rendezvous id, the same on every node (default: derived from --rdzv-endpoint; "
+        "required with etcd, which jobs share)",
+    )
     p.add_argument(
         "--max-restarts", type=int, default=3, help="worker-group restarts after failures, counted per node (default 3)"
     )
@@ -223,12 +237,29 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     _, max_nodes = node_counts(args.nnodes)
     nproc_per_node(args.nproc_per_node)
     _check_numbers(args)
-    conf = [f"join_timeout={args.rdzv_timeout}", f"last_call_timeout={args.rdzv_last_call}"]
+    etcd = args.rdzv_backend in ETCD_BACKENDS
+    # torch's older etcd rendezvous calls the join timeout `timeout`; etcd-v2 shares c10d's keys.
+    join = "timeout" if args.rdzv_backend == "etcd" else "join_timeout"
+    conf = [f"{join}={args.rdzv_timeout}", f"last_call_timeout={args.rdzv_last_call}"]
     # Each rendezvous round gets a fresh worker store (on rank 0, new port): the store shared
     # across rounds keeps the previous workers' keys, and a restarted worker that starts early
-    # reads a dead peer's address from them and fails to connect.
+    # reads a dead peer's address from them and fails to connect. With etcd it is also what lets
+    # the job outlive the first node: the shared store lives in that node's agent.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    if args.rdzv_endpoint:
+    if etcd:
+        if not args.rdzv_endpoint:
+            raise LaunchError(
+                f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST[:PORT],... (etcd members)"
+            )
+        if not args.run_id:
+            raise LaunchError(
+                f"--rdzv-backend {args.rdzv_backend} needs --run-id: jobs share the etcd cluster, so its "
+                "address cannot tell them apart (use e.g. the scheduler's job id)"
+            )
+        endpoint, run_id = format_endpoints(parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint)), args.run_id
+        if args.node_addr:
+            env[BIND_ADDR_ENV] = args.node_addr  # the workers' store listens on this address only
+    elif args.rdzv_endpoint:
         host, _ = _split_endpoint(args.rdzv_endpoint)
         endpoint = args.rdzv_endpoint
         run_id = args.run_id or default_run_id(endpoint)
@@ -257,9 +288,9 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         "--nproc-per-node",
         str(args.nproc_per_node),
         "--rdzv-backend",
-        "c10d",
+        args.rdzv_backend,
         "--rdzv-endpoint",
-        endpoint,
+        endpoint,  # torchrun itself takes one etcd member; the agent here is given all of them
         "--rdzv-id",
         run_id,
         "--rdzv-conf",
@@ -388,6 +419,8 @@ def _rendezvous_handler(params: RendezvousParameters, bind: str | None) -> Rende
     torch's own c10d backend creates a TCPStore that listens on every interface; here the store
     is created on a socket bound to the one address the job uses (loopback for a one-node job).
     """
+    if params.backend in ETCD_BACKENDS:
+        return etcd_handler(params, parse_endpoints("--rdzv-endpoint", params.endpoint))
     host, _, port = (params.endpoint or "").rpartition(":")
     hosts = params.config.get("is_host") in (True, "true", "1") or params.max_nodes == 1
     if bind is None or not hosts or not port.isdigit():
@@ -429,7 +462,7 @@ def _make_agent(config: LaunchConfig, entrypoint: str, args: list[str], exit_bar
         exit_barrier_timeout=exit_barrier_timeout,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
-        store_limit_s=float(config.rdzv_configs["join_timeout"]),
+        store_limit_s=float(config.rdzv_configs.get("join_timeout", config.rdzv_configs["timeout"])),
     )
 
 
@@ -492,6 +525,21 @@ def _say(text: str) -> None:
     print(f"ddptrain launch: {text}", file=sys.stderr, flush=True)
 
 
+def _etcd_reachable(args: argparse.Namespace) -> bool:
+    """Wait (at most --rdzv-timeout) for one etcd member to be healthy; say which answered what when none did.
+
+    torch's etcd client would otherwise retry a dead endpoint for the whole rendezvous timeout and
+    end with an exception that does not name it.
+    """
+    endpoints = parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint)
+    answers = wait_healthy(endpoints, float(args.rdzv_timeout))
+    if any(why is None for why in answers.values()):
+        return True
+    whys = "; ".join(f"{format_endpoints([e])}: {why}" for e, why in answers.items())
+    _say(f"rendezvous failed: no etcd member was healthy within {args.rdzv_timeout} s ({whys})")
+    return False
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run this node's agent until the job ends; returns the job's exit code."""
     check_torch()
@@ -507,12 +555,22 @@ def launch(args: argparse.Namespace) -> int:
         print(
             f"# beyond torchrun: worker exit {EXIT_PREEMPTED}, {EXIT_INTERRUPTED} or {EXIT_USAGE} ends the job with "
             f"that code (no restart), exit barrier {args.exit_barrier_timeout:g} s, restarts stop workers within "
-            f"{args.shutdown_timeout} s, stores listen on "
+            f"{args.shutdown_timeout} s, "
+            + (
+                f"the etcd client is given every member ({args.rdzv_endpoint}), "
+                if args.rdzv_backend in ETCD_BACKENDS
+                else ""
+            )
+            + "stores listen on "
             + (f"{env[BIND_ADDR_ENV]} only" if BIND_ADDR_ENV in env else "every interface (pass --node-addr)")
         )
         return EXIT_OK
     for line in pet_conflicts(args, inherited):
         _say(line)
+    if args.rdzv_backend in ETCD_BACKENDS:
+        require_client()
+        if not _etcd_reachable(args):
+            return EXIT_FAILED
     os.environ.update(env)
     try:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))

@@ -1,0 +1,131 @@
+"""etcd endpoints for the rendezvous: parsing `HOST[:PORT],...` and asking a member whether it is healthy.
+
+A leaf: `ddptrain launch`, the SLURM and Kubernetes generators and `ddptrain doctor` all read
+endpoints the same way, and bad syntax exits 2 with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from ddptrain.errors import LaunchError
+
+ETCD_BACKENDS = ("etcd-v2", "etcd")  # torchrun's two etcd rendezvous; etcd-v2 is torch's current one
+DEFAULT_PORT = 2379  # etcd's registered client port
+EXTRA = "pip install 'ddptrain[etcd]'"  # the extra that installs PyPI's python-etcd
+MAX_ENDPOINTS = 16  # an etcd cluster has 3, 5 or 7 members; more is a typo or a paste of something else
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+Endpoint = tuple[str, int]
+
+
+def _host(flag: str, item: str, host: str) -> str:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError:
+            raise LaunchError(f"{flag}: {item!r} has an invalid IPv6 address") from None
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            return str(ipaddress.IPv4Address(host))
+        except ValueError:
+            raise LaunchError(f"{flag}: {item!r} has an invalid IPv4 address") from None
+    if len(host) > 253 or not all(_LABEL.match(label) for label in host.split(".")):
+        raise LaunchError(f"{flag}: {item!r}: {host!r} is not a host name, IPv4 or [IPv6] address")
+    return host
+
+
+def parse_endpoints(flag: str, value: str) -> tuple[Endpoint, ...]:
+    """(host, port) pairs from `HOST[:PORT][,HOST[:PORT]...]` (port 2379 when left out); LaunchError when malformed.
+
+    An `http://` prefix is accepted (etcd prints its URLs that way); anything else of a URL is not.
+    """
+    items = [item.strip() for item in value.split(",")]
+    if not value.strip() or any(not item for item in items):
+        raise LaunchError(f"{flag} {value!r} must be HOST[:PORT][,HOST[:PORT]...] (e.g. 10.0.0.1:2379,10.0.0.2:2379)")
+    if len(items) > MAX_ENDPOINTS:
+        raise LaunchError(f"{flag}: {len(items)} endpoints; at most {MAX_ENDPOINTS} (one per etcd member)")
+    out: list[Endpoint] = []
+    for item in items:
+        rest = item.removeprefix("http://")
+        if "/" in rest or "@" in rest or any(c.isspace() for c in rest):
+            raise LaunchError(f"{flag}: {item!r} must be HOST[:PORT], without a scheme other than http:// or a path")
+        if rest.startswith("["):
+            close = rest.find("]") + 1
+            host, tail = (rest[:close], rest[close:]) if close else (rest, "")
+        elif rest.count(":") > 1:
+            raise LaunchError(f"{flag}: {item!r}: write an IPv6 address in brackets, e.g. [fd00::1]:2379")
+        else:
+            colon = rest.find(":")
+            host, tail = (rest, "") if colon < 0 else (rest[:colon], rest[colon:])
+        port = tail[1:] if tail.startswith(":") else None
+        if tail and (port is None or not port.isdigit() or not 0 < int(port) < 65536):
+            raise LaunchError(f"{flag}: {item!r} has no valid port (1-65535)")
+        endpoint = (_host(flag, item, host), int(port) if port else DEFAULT_PORT)
+        if endpoint in out:
+            raise LaunchError(f"{flag}: {item!r} is given twice")
+        out.append(endpoint)
+    return tuple(out)
+
+
+def format_endpoint(endpoint: Endpoint) -> str:
+    """HOST:PORT as etcd and torchrun write it (IPv6 in brackets)."""
+    host, port = endpoint
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def format_endpoints(endpoints: Sequence[Endpoint]) -> str:
+    """The comma-separated form parse_endpoints reads."""
+    return ",".join(format_endpoint(e) for e in endpoints)
+
+
+def require_client() -> None:
+    """LaunchError (exit 2) naming the extra to install when PyPI's python-etcd is not importable."""
+    try:
+        import etcd  # noqa: F401
+    except ImportError:
+        raise LaunchError(f"the etcd rendezvous needs PyPI's python-etcd, which is not installed: {EXTRA}") from None
+
+
+def health(endpoint: Endpoint, timeout_s: float) -> str | None:
+    """None when the member answers `GET /health` with health true within timeout_s, else why not.
+
+    etcd (3.x) serves /health on its client port: true only while the member sees a leader, so
+    it also tells a member that lost its quorum from one that can serve the rendezvous.
+    """
+    url = f"http://{format_endpoint(endpoint)}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http only, built here
+            body = response.read(4096)
+    except urllib.error.HTTPError as e:
+        body = e.read(4096)  # 503 with {"health":"false"} when the member has no leader
+        if not body:
+            return f"HTTP {e.code} from /health"
+    except (urllib.error.URLError, OSError) as e:
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        if isinstance(reason, socket.timeout | TimeoutError):
+            return f"no answer within {timeout_s:g} s"
+        return getattr(reason, "strerror", None) or str(reason)
+    try:
+        healthy = json.loads(body).get("health") in ("true", True)
+    except (ValueError, AttributeError):
+        return f"/health did not answer JSON: {body[:80]!r}"
+    return None if healthy else f"unhealthy: {body.decode(errors='replace').strip()[:200]}"
+
+
+def wait_healthy(endpoints: Sequence[Endpoint], timeout_s: float) -> dict[Endpoint, str | None]:
+    """Ask every member until one is healthy or timeout_s has passed; each endpoint's last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        answers = {e: health(e, max(0.2, min(2.0, left))) for e in endpoints}
+        if any(why is None for why in answers.values()) or deadline - time.monotonic() <= 0:
+            return answers
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,202 @@
+"""The etcd rendezvous on namespace hosts: real etcd members (Debian's etcd-server), real launchers.
+
+Training hosts run `ddptrain launch --rdzv-backend etcd-v2` with one worker each (the tiny
+regression model of test_multinode_faults.py); etcd runs on hosts of its own, so losing any
+training host, or one etcd member of three, takes nothing the job needs away. Final parameters
+are compared with a plain torchrun run resumed from the same restore point (bit-exact on CPU).
+Each test prints MEASURED lines (run with -s).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from etcd_harness import endpoints, etcd_missing, start_etcd
+from helpers import env_for_subprocess, final_model_state
+from netns import Cluster, Node, unavailable_reason
+from test_multinode_faults import Job, assert_same_params, measured
+
+from ddptrain.checkpoint import committed_checkpoints
+from ddptrain.checkpoint.manifest import step_of
+
+pytestmark = pytest.mark.cluster
+
+# A global batch of 12 = 2 x 2 hosts x 3 = 2 x 3 hosts x 2; ~0.1 s per step.
+ELASTIC = [
+    "data.micro_batch_size=2",
+    "train.global_batch_size=12",
+    "ckpt.every_steps=5",
+    "ckpt.keep=20",
+    "model.kwargs.step_sleep=0.1",
+]
+ETCD_LAUNCH = [
+    "--rdzv-backend",
+    "etcd-v2",
+    "--rdzv-timeout",
+    "20",
+    "--rdzv-last-call",
+    "2",
+    "--rdzv-conf",
+    "keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=5",
+]
+
+
+@pytest.fixture(scope="module")
+def etcd_ok() -> None:
+    reason = unavailable_reason() or etcd_missing()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def hosts(etcd_ok: None, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """`request.param` fresh hosts; everything in them is killed and removed afterwards, pass or fail."""
+    c = Cluster(request.param)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class EtcdJob(Job):
+    """Job whose launchers rendezvous through etcd members (on other hosts of the same cluster)."""
+
+    def __init__(self, cluster: Cluster, tmp: Path, trainers: list[Node], members: list[Node], **kw: object) -> None:
+        super().__init__(cluster, tmp, **kw)  # type: ignore[arg-type]
+        self.trainers, self.members = trainers, members
+        self.launch_opts = [*self.launch_opts, *ETCD_LAUNCH]
+
+    def argv(self, node: Node) -> list[str]:
+        argv = super().argv(node)
+        at = argv.index("--rdzv-endpoint")
+        argv[at + 1] = endpoints(self.members)
+        return [*argv[: at + 2], "--run-id", f"etcd-{self.cluster.tag}", *argv[at + 2 :]]
+
+    def start(self, *nodes: Node) -> None:
+        super().start(*(nodes or self.trainers))
+
+    def wait(self, timeout: float, *nodes: Node) -> dict[str, int]:
+        return super().wait(timeout, *(nodes or self.trainers))
+
+    def rank0_host(self) -> Node:
+        """The training host whose worker is rank 0 (it holds the workers' store: today's host role)."""
+        for node in self.trainers:
+            for pid in self.workers(node):
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"RANK=0" in environ and b"LOCAL_RANK=0" in environ:
+                    return node
+        pytest.fail(f"no worker with RANK=0\n{self.output()}")
+
+
+class Reference:
+    """A plain `torchrun --standalone` run of the job's training at world_size, started now, run beside the job.
+
+    Started while the job still trains (its steps mostly sleep), so the comparison costs little wall time.
+    """
+
+    def __init__(self, job: EtcdJob, tmp: Path, world_size: int, *extra: str) -> None:
+        self.run_dir = tmp / "reference"
+        self.log = open(tmp / "reference.log", "wb")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+        args = ["-m", "ddptrain", "train", *job.train_args[:-1], f"run.dir={self.run_dir}", *extra]
+        self.proc = subprocess.Popen([*cmd, *args], env=env_for_subprocess(), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def params(self, timeout: float = 90) -> dict[str, torch.Tensor]:
+        """The reference's final parameters, once it has finished."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        assert code == 0, (self.run_dir.parent / "reference.log").read_text()[-3000:]
+        return final_model_state(self.run_dir)
+
+
+def restore_point(job: EtcdJob, step: int) -> Path:
+    """The job's committed checkpoint of `step`."""
+    [ckpt] = [p for p in committed_checkpoints(job.run_dir / "checkpoints") if step_of(p.name) == step]
+    return ckpt
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("hosts", [4], indirect=True)
+def test_rank0_host_lost_then_back_at_three(hosts: Cluster, tmp_path: Path) -> None:
+    """(a) 3 training hosts, --nnodes 2:3, etcd on a fourth: kill the rank-0 host, then start it again."""
+    t0 = time.time()
+    *trainers, member = hosts.nodes
+    start_etcd([member], tmp_path)
+    job = EtcdJob(hosts, tmp_path, trainers, [member], nnodes="2:3", train=[*ELASTIC, "train.max_steps=60"])
+    job.start()
+    # All three in the first round, or in the next one when a host was slow to start: wait for 3 training.
+    job.wait_for("training at world size 3", lambda: [r for r in job.records("train") if r["world_size"] == 3], 60)
+    job.wait_for_step(job.records("train")[-1]["step"] + 5, timeout=30)
+    lost = job.rank0_host()
+    t_kill = time.time()
+    lost.kill_all()
+    at_two = job.training_again_after(t_kill, world_size=2, timeout=60)
+    resumed = job.events("resume")[-1]
+    assert (resumed["world_size"], resumed["grad_accum"]) == (2, 3)  # the global batch of 12 is kept
+    assert all(r["global_batch_size"] == 12 for r in job.records("train") if r["time"] > resumed["time"])
+    t_back = time.time()
+    job.start(lost)
+    at_three = job.training_again_after(t_back, world_size=3, timeout=60)
+    restore = job.events("resume")[-1]
+    reference = Reference(job, tmp_path, 3, f"ckpt.resume={restore_point(job, restore['step'])}")
+    assert job.wait(60) == {n.hostname: 0 for n in trainers}, job.output()
+    t_end = time.time()
+    last = job.records("train")[-1]
+    assert (last["step"], last["world_size"], last["grad_accum"]) == (60, 3, 2)
+    assert_same_params(final_model_state(job.run_dir), reference.params())
+    measured("etcd: rank-0 host killed (--nnodes 2:3)", training_at_world_size_2=at_two)
+    measured("etcd: killed host started again", training_at_world_size_3=at_three, job_done=t_end - t0)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("hosts", [5], indirect=True)
+def test_one_etcd_member_of_three_lost(hosts: Cluster, tmp_path: Path) -> None:
+    """(b) 2 training hosts, 3 etcd members: the member listed first dies mid-run; training never notices."""
+    t0 = time.time()
+    trainers, members = hosts.nodes[:2], hosts.nodes[2:]
+    start_etcd(members, tmp_path)
+    job = EtcdJob(hosts, tmp_path, trainers, members, train=["model.kwargs.step_sleep=0.1", "train.max_steps=40"])
+    job.start()
+    reference = Reference(job, tmp_path, 2)
+    job.wait_for_step(5, timeout=60)
+    t_kill = time.time()
+    members[0].kill_all()  # every client starts on the first endpoint: they must move to another
+    step_at_loss = max(r["step"] for r in job.records("train"))
+    assert job.wait(90) == {"node1": 0, "node2": 0}, job.output()
+    t_end = time.time()
+    trained_after = [r for r in job.records("train") if r["time"] > t_kill]
+    assert step_at_loss < 40 and trained_after, "the member was lost after training ended: nothing was tested"
+    assert job.events("resume") == [], job.output()  # untouched: no restart, no new rendezvous
+    assert_same_params(final_model_state(job.run_dir), reference.params())
+    measured("etcd: one member of three killed", job_end_after_loss=t_end - t_kill, job_done=t_end - t0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts", [2], indirect=True)
+def test_etcd_unreachable_at_start_exits_1_naming_it(hosts: Cluster, tmp_path: Path) -> None:
+    """(c) nothing listens at the etcd endpoint: exit 1 within the rendezvous timeout, naming the endpoint."""
+    trainer, nowhere = hosts.nodes
+    job = EtcdJob(hosts, tmp_path, [trainer], [nowhere], nnodes="1:2", train=["train.max_steps=5"])
+    job.launch_opts += ["--rdzv-timeout", "4"]
+    t0 = time.time()
+    job.start()
+    assert job.wait(40) == {"node1": 1}, job.output()
+    took = time.time() - t0
+    log = job.log(trainer).read_text()
+    line = next((x for x in log.splitlines() if "no etcd member was healthy" in x), None)
+    assert line is not None and f"{nowhere.addr}:2379" in line and "within 4 s" in line, log
+    assert "Traceback" not in log, log
+    measured("etcd unreachable at start", launcher_exit=took)
