@@ -49,6 +49,7 @@ from ddptrain.errors import (
     DdptrainError,
     LaunchError,
 )
+from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
@@ -222,7 +223,7 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(f"worker command: {message}")
 
 
-def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None) -> int:
+def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None, etcd: str | None = None) -> int:
     """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
     from ddptrain.observe.doctor import doctor as run_doctor
 
@@ -232,7 +233,9 @@ def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None =
         host, sep, port = endpoint.rpartition(":")
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
-    return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint)
+    if etcd is not None:
+        parse_endpoints("--etcd", etcd)
+    return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint, etcd)
 
 
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> int:
@@ -354,6 +357,11 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     d.add_argument("--timeout", type=float, default=30.0, help="seconds every rank may take to join (default 30)")
     d.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce message in MiB (default 64)")
     d.add_argument("--endpoint", help="also check that this rendezvous HOST:PORT accepts connections from here")
+    d.add_argument(
+        "--etcd",
+        help="also check these etcd members HOST[:PORT],... (healthy, v2 API on); under `ddptrain launch "
+        "--rdzv-backend etcd-v2` its endpoints are checked without this",
+    )
 
     tr = sub.add_parser("triage", help="one verdict from the stacks a hang left in RUN_DIR/stacks")
     tr.add_argument("run_dir")
@@ -417,7 +425,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         return report(args.run_dir, args.out)
     if args.command == "doctor":
-        return doctor(args.backend, args.timeout, args.max_mb, args.endpoint)
+        return doctor(args.backend, args.timeout, args.max_mb, args.endpoint, args.etcd)
     if args.command == "triage":
         return triage(args.run_dir)
     if args.command == "verify-resume":

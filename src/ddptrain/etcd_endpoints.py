@@ -20,6 +20,7 @@ from ddptrain.errors import LaunchError
 ETCD_BACKENDS = ("etcd-v2", "etcd")  # torchrun's two etcd rendezvous; etcd-v2 is torch's current one
 DEFAULT_PORT = 2379  # etcd's registered client port
 EXTRA = "pip install 'ddptrain[etcd]'"  # the extra that installs PyPI's python-etcd
+ETCD_ENV = "DDPTRAIN_ETCD_ENDPOINTS"  # set by `ddptrain launch` for its workers: `ddptrain doctor` checks them
 MAX_ENDPOINTS = 16  # an etcd cluster has 3, 5 or 7 members; more is a typo or a paste of something else
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
@@ -94,30 +95,40 @@ def require_client() -> None:
         raise LaunchError(f"the etcd rendezvous needs PyPI's python-etcd, which is not installed: {EXTRA}") from None
 
 
-def health(endpoint: Endpoint, timeout_s: float) -> str | None:
-    """None when the member answers `GET /health` with health true within timeout_s, else why not.
-
-    etcd (3.x) serves /health on its client port: true only while the member sees a leader, so
-    it also tells a member that lost its quorum from one that can serve the rendezvous.
-    """
-    url = f"http://{format_endpoint(endpoint)}/health"
+def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
+    """(HTTP status, start of the body) of a GET; OSError (URLError, timeouts) when there is no answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http only, built here
-            body = response.read(4096)
+            return response.status, response.read(4096)
     except urllib.error.HTTPError as e:
-        body = e.read(4096)  # 503 with {"health":"false"} when the member has no leader
-        if not body:
-            return f"HTTP {e.code} from /health"
+        return e.code, e.read(4096)
+
+
+def health(endpoint: Endpoint, timeout_s: float) -> str | None:
+    """None when the member can serve torch's rendezvous, else why not (each request waits at most timeout_s).
+
+    Healthy means: `GET /health` says true, which etcd (3.x) answers only while the member sees a
+    leader, so a member cut off from its quorum is not healthy; and the v2 API answers, which torch's
+    etcd rendezvous speaks and etcd 3.4 serves only when started with --enable-v2.
+    """
+    base = f"http://{format_endpoint(endpoint)}"
+    try:
+        status, body = _get(f"{base}/health", timeout_s)
+        try:
+            healthy = json.loads(body).get("health") in ("true", True)
+        except (ValueError, AttributeError):
+            return f"HTTP {status} from /health, not etcd's answer: {body[:80]!r}"
+        if not healthy:
+            return f"unhealthy (no leader: quorum lost?): {body.decode(errors='replace').strip()[:200]}"
+        status, _ = _get(f"{base}/v2/keys/", timeout_s)
     except (urllib.error.URLError, OSError) as e:
         reason = e.reason if isinstance(e, urllib.error.URLError) else e
         if isinstance(reason, socket.timeout | TimeoutError):
             return f"no answer within {timeout_s:g} s"
         return getattr(reason, "strerror", None) or str(reason)
-    try:
-        healthy = json.loads(body).get("health") in ("true", True)
-    except (ValueError, AttributeError):
-        return f"/health did not answer JSON: {body[:80]!r}"
-    return None if healthy else f"unhealthy: {body.decode(errors='replace').strip()[:200]}"
+    if status != 200:
+        return f"the v2 API is off (HTTP {status}): start etcd with --enable-v2, torch's etcd rendezvous speaks v2"
+    return None
 
 
 def wait_healthy(endpoints: Sequence[Endpoint], timeout_s: float) -> dict[Endpoint, str | None]:

@@ -7,15 +7,19 @@ about a second. `start_etcd` returns once every member says it is healthy, or fa
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from helpers import env_for_subprocess
 from netns import Node
+
+from ddptrain.etcd_endpoints import health
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 
@@ -90,3 +94,31 @@ def start_etcd(members: Sequence[Node], tmp: Path, timeout: float = 20) -> None:
             logs = "\n".join((tmp / f"etcd-{n.hostname}.log").read_text()[-1500:] for n in members)
             pytest.fail(f"etcd did not become healthy within {timeout} s\n{logs}")
         time.sleep(0.2)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (on loopback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def loopback_etcd(tmp: Path, v2: bool = True, timeout: float = 15) -> Iterator[str]:
+    """One etcd member on 127.0.0.1 (v2 API on or off) for as long as the block runs; yields HOST:PORT."""
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    argv = ["etcd", "--data-dir", str(tmp / f"etcd-{client}"), "--listen-client-urls", url]
+    argv += ["--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}"]
+    with open(tmp / f"etcd-{client}.log", "wb") as log:
+        proc = subprocess.Popen([*argv, *(["--enable-v2"] if v2 else [])], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while (why := health(("127.0.0.1", client), 1.0)) is not None and "v2 API is off" not in why:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail(f"etcd on {url} did not start\n{(tmp / f'etcd-{client}.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.kill()
+        proc.wait(10)

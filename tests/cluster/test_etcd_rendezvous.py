@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from etcd_harness import endpoints, etcd_missing, start_etcd
+from etcd_harness import endpoints, etcd_missing, free_port, loopback_etcd, start_etcd
 from helpers import env_for_subprocess, final_model_state
 from netns import Cluster, Node, unavailable_reason
 from test_multinode_faults import Job, assert_same_params, measured
 
 from ddptrain.checkpoint import committed_checkpoints
 from ddptrain.checkpoint.manifest import step_of
+from ddptrain.cli import main
 
 pytestmark = pytest.mark.cluster
 
@@ -45,6 +46,13 @@ ETCD_LAUNCH = [
     "--rdzv-conf",
     "keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=5",
 ]
+
+
+@pytest.fixture(scope="module")
+def etcd_binary() -> None:
+    reason = etcd_missing()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +208,20 @@ def test_etcd_unreachable_at_start_exits_1_naming_it(hosts: Cluster, tmp_path: P
     assert line is not None and f"{nowhere.addr}:2379" in line and "within 4 s" in line, log
     assert "Traceback" not in log, log
     measured("etcd unreachable at start", launcher_exit=took)
+
+
+@pytest.mark.timeout(60)
+def test_doctor_checks_every_etcd_member(etcd_binary: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ddptrain doctor --etcd`: a healthy member passes, a dead one warns beside it, v2 off is named."""
+    closed = f"127.0.0.1:{free_port()}"
+    with loopback_etcd(tmp_path) as good, loopback_etcd(tmp_path, v2=False) as no_v2:
+        t0 = time.time()
+        assert main(["doctor", "--max-mb", "0.001", "--timeout", "2", "--etcd", good]) == 0
+        assert "PASS  etcd        all 1 member(s) healthy, v2 API on" in capsys.readouterr().out
+        assert main(["doctor", "--max-mb", "0.001", "--timeout", "2", "--etcd", f"{good},{closed}"]) == 0
+        out = capsys.readouterr().out
+        assert "WARN  etcd        1 of 2 healthy" in out and f"{closed}: Connection refused" in out, out
+        assert main(["doctor", "--max-mb", "0.001", "--timeout", "2", "--etcd", no_v2]) == 1
+        out = capsys.readouterr().out
+        assert "FAIL  etcd        0 of 1 healthy" in out and "start etcd with --enable-v2" in out, out
+        measured("doctor etcd checks (3 runs)", doctor=time.time() - t0)

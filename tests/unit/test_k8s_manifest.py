@@ -48,9 +48,12 @@ def _check_against_operator(job: dict[str, Any]) -> None:
                 assert _option(cmd, "--rdzv-endpoint") == env["PET_RDZV_ENDPOINT"]
                 assert _option(cmd, "--run-id") == env["PET_RDZV_ID"]
                 assert _option(cmd, "--max-restarts") == env["PET_MAX_RESTARTS"]
+                backend = _option(cmd, "--rdzv-backend") if "--rdzv-backend" in cmd else "c10d"
+                assert backend == env["PET_RDZV_BACKEND"]
                 host = env["PET_RDZV_ENDPOINT"].rsplit(":", 1)[0]
-                # exactly one pod (the Master) advertises the endpoint's host, so exactly one hosts the store
-                assert (_option(cmd, "--node-addr") == host) == (role == "Master")
+                # c10d: exactly one pod (the Master) advertises the endpoint's host, so exactly one hosts the
+                # store; etcd: none does (the store is etcd's)
+                assert (_option(cmd, "--node-addr") == host) == (role == "Master" and backend == "c10d")
             assert env["MASTER_ADDR"] == f"{name}-master-0"
 
 
@@ -212,11 +215,28 @@ def test_schema_check_catches_what_it_should() -> None:
         (["--toleration", "a:Sometimes"], "--toleration 'a:Sometimes'"),
         (["--node-selector", "novalue"], "--node-selector 'novalue'"),
         (["--gang", "kueue"], "needs --queue"),
+        (["--nodes", "2", "--etcd-service", "etcd:http"], "--etcd-service: 'etcd:http' has no valid port"),
+        (["--nodes", "2", "--etcd-service", "etcd-0,etcd-1"], "give one Service"),
+        (["--etcd-service", "etcd"], "needs --nodes 2 or more"),
     ],
 )
 def test_bad_input_is_refused(capsys: pytest.CaptureFixture[str], bad: list[str], message: str) -> None:
     rc, err, _ = _manifest(capsys, *bad)
     assert rc == 2 and message in err and err.count("\n") == 1, (bad, err)
+
+
+def test_etcd_service_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    """--etcd-service: every pod meets in etcd (etcd-v2), none hosts a store, and the operator says the same."""
+    rc, err, docs = _manifest(capsys, "--nodes", "2", "--min-nodes", "1", "--etcd-service", "etcd-client.infra")
+    assert rc == 0, err
+    job = docs[1]
+    policy = job["spec"]["elasticPolicy"]
+    assert (policy["rdzvBackend"], policy["rdzvHost"], policy["rdzvPort"]) == ("etcd-v2", "etcd-client.infra", 2379)
+    _check_against_operator(job)
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        cmd = rs["template"]["spec"]["containers"][0]["command"]
+        assert _option(cmd, "--rdzv-endpoint") == "etcd-client.infra:2379"
+        assert _option(cmd, "--node-addr") == "$(POD_IP)"
 
 
 @settings(max_examples=25, deadline=None)

@@ -67,7 +67,7 @@ def test_script_has_directives_and_one_launch_per_node(tmp_path: Path) -> None:
     assert "--ntasks-per-node=1" in srun and "--nodes=4" in srun and "--cpus-per-task=32" in srun
     for arg in (
         '--rdzv-endpoint "$RDZV_ENDPOINT"',
-        '--run-id "$SLURM_JOB_ID"',
+        '--run-id "$RDZV_ID"',
         '--node-addr "$addr"',
         "--nnodes 4",
         "--nproc-per-node 8",
@@ -77,6 +77,7 @@ def test_script_has_directives_and_one_launch_per_node(tmp_path: Path) -> None:
         assert arg in srun
     assert "--mem=128G" in directives  # 16G per rank unless given
     assert "RDZV_PORT=$(( 10000 + SLURM_JOB_ID % 20000 ))" in text
+    assert 'export RDZV_ID="$SLURM_JOB_ID"' in text  # c10d: the job id, kept by a requeued job
     frozen = (script.parent / "config.yaml").read_text()
     assert "max_steps: 7" in frozen and "resume: auto" in frozen
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -97,6 +98,10 @@ def test_script_has_directives_and_one_launch_per_node(tmp_path: Path) -> None:
         (["--cpus-per-node", "1", "--nproc-per-node", "2"], "fewer than the 2 ranks"),
         (["--sbatch-arg", "--qos=high\nsrun rm -rf /"], "must be one line"),
         (["--sbatch-arg", "qos=high"], "starting with '-'"),
+        (["--etcd-endpoints", "10.0.0.1:2379;reboot"], "--etcd-endpoints: '10.0.0.1:2379;reboot' has no valid port"),
+        (["--etcd-endpoints", "etcd-0,,etcd-1"], "must be HOST[:PORT][,HOST[:PORT]...]"),
+        (["--nodes", "4", "--min-nodes", "5"], "--min-nodes 5 must be between 1 and --nodes 4"),
+        (["--nodes", "4", "--min-nodes", "3"], "at 3 node(s)"),  # the global batch of 8 does not split over 3
     ],
 )
 def test_refuses_what_breaks_requeue(
@@ -106,6 +111,20 @@ def test_refuses_what_breaks_requeue(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not list((tmp_path / "run").rglob("*.sbatch"))  # nothing written for an invalid job
+
+
+def test_etcd_job_has_no_special_node(tmp_path: Path) -> None:
+    """With --etcd-endpoints every node's launcher rendezvous through etcd; the job goes on without lost nodes."""
+    etcd = ["--etcd-endpoints", "etcd-a:2379,10.0.0.2,[fd00::3]:2379"]
+    batch = ["data.micro_batch_size=4", "train.global_batch_size=48"]  # splits over 2, 3 and 4 nodes
+    script = _generate(tmp_path, *batch, "--nodes", "4", "--min-nodes", "2", *etcd)
+    text = script.read_text()
+    assert "export RDZV_ENDPOINT='etcd-a:2379,10.0.0.2:2379,[fd00::3]:2379'" in text  # quoted: [] is a bash glob
+    assert 'export RDZV_ID="slurm-${SLURM_CLUSTER_NAME:-cluster}-$SLURM_JOB_ID"' in text
+    assert "HEAD_NODE" not in text and "#SBATCH --no-kill" in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--rdzv-backend etcd-v2" in srun and "--nnodes 2:4" in srun
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
 
 
 def test_each_generation_freezes_its_own_config(tmp_path: Path) -> None:

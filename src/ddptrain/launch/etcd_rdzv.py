@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from ddptrain.errors import DdptrainError, LaunchError
-from ddptrain.etcd_endpoints import Endpoint, format_endpoints, require_client
+from ddptrain.etcd_endpoints import Endpoint, format_endpoint, format_endpoints, require_client, wait_healthy
 
 # The key prefixes torch's own factories use, so that a job started with plain torchrun and one
 # started by ddptrain on the same etcd see each other's state the same way.
@@ -82,3 +82,16 @@ def etcd_handler(params: RendezvousParameters, endpoints: Sequence[Endpoint]) ->
         last_call_timeout=params.get_as_int("last_call_timeout", 30),
     )
     return EtcdRendezvousHandler(rdzv_impl=rdzv, local_addr=params.local_addr)
+
+
+def no_healthy_member(endpoints: Sequence[Endpoint], timeout_s: float) -> str | None:
+    """Wait (at most timeout_s) for one member to be healthy; None when one is, else a line naming each and why.
+
+    torch's etcd client would otherwise retry a dead endpoint until the rendezvous timeout and end
+    with an exception that does not name it.
+    """
+    answers = wait_healthy(endpoints, timeout_s)
+    if any(why is None for why in answers.values()):
+        return None
+    whys = "; ".join(f"{format_endpoint(e)}: {why}" for e, why in answers.items())
+    return f"no etcd member was healthy within {timeout_s:g} s ({whys})"

@@ -14,8 +14,12 @@ from collections.abc import Sequence
 
 from ddptrain.config import Config, load_config
 from ddptrain.errors import ConfigError, UserError
+from ddptrain.etcd_endpoints import format_endpoints, parse_endpoints
 
 EXIT_USAGE = UserError.exit_code  # bad input: `ddptrain launch` ends with it, a retry cannot help
+# The etcd rendezvous that generated jobs use with an existing etcd cluster: torch's current one,
+# the same state machine and keep-alives as c10d.
+ETCD_BACKEND = "etcd-v2"
 # Slack for the workers on top of the user's step and save estimates (signal delivery, agreement).
 _WORKER_MARGIN_S = 10
 # Slack for what follows the workers' exit: the launcher's exit, the rendezvous close, srun or the pod.
@@ -67,12 +71,16 @@ def launch_argv(
     shutdown_s: int,
     config_path: str,
     preempted_exit_code: int | None = None,
+    rdzv_backend: str | None = None,
 ) -> list[str]:
     """The `launch ... -- train -c CONFIG` arguments every node of a job runs (after `ddptrain`).
 
-    Without an endpoint (one node) the launcher hosts a local rendezvous on a free port.
+    Without an endpoint (one node) the launcher hosts a local rendezvous on a free port; with
+    rdzv_backend etcd-v2 the endpoint is the etcd cluster's members.
     """
     argv = ["launch", "--nnodes", nnodes, "--nproc-per-node", nproc_per_node]
+    if rdzv_backend is not None:
+        argv += ["--rdzv-backend", rdzv_backend]
     for flag, value in (("--rdzv-endpoint", endpoint), ("--run-id", run_id), ("--node-addr", node_addr)):
         if value is not None:
             argv += [flag, value]
@@ -80,6 +88,11 @@ def launch_argv(
     if preempted_exit_code is not None:
         argv += ["--preempted-exit-code", str(preempted_exit_code)]
     return [*argv, "--", "train", "-c", config_path]
+
+
+def etcd_endpoints(flag: str, value: str | None) -> str | None:
+    """The etcd members of `flag` in launch's canonical form (checked now, exit 2), or None without etcd."""
+    return None if value is None else format_endpoints(parse_endpoints(flag, value))
 
 
 def check_batch_split(cfg: Config, nodes: range, nproc_per_node: int) -> None:

@@ -9,7 +9,8 @@ Written against the operator's v1 API as of release v1.9.0 (its `pkg/controller.
   `elasticPolicy` here (`rdzvHost`/`rdzvPort`/`rdzvId`, `minReplicas`/`maxReplicas`) and
   `spec.nprocPerNode` are set so that what it injects says exactly what the command line says.
   Without `rdzvHost` it would point the endpoint at `<job>-worker-0`, which hosts nothing.
-* The Master hosts the c10d rendezvous: its `--node-addr` is its Service name `<job>-master-0`
+* With `--etcd-service` the rendezvous is an existing etcd cluster's (etcd-v2 backend): every
+  pod advertises its IP and none is special. Otherwise the Master hosts the c10d rendezvous: its `--node-addr` is its Service name `<job>-master-0`
   (the operator creates a headless Service per replica), the host of the endpoint; workers
   advertise their pod IP.
 * One node: the webhook rejects an `elasticPolicy` without a Worker replica, so a one-node job is
@@ -40,7 +41,9 @@ import yaml
 from ddptrain.checks import text_arg
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
+from ddptrain.etcd_endpoints import format_endpoint, parse_endpoints
 from ddptrain.launch.jobspec import (
+    ETCD_BACKEND,
     check_batch_split,
     check_procs_vs_gpus,
     check_stop_window,
@@ -88,6 +91,11 @@ class K8sJob:
     config_mount: str = option("/etc/ddptrain", "mount path of the config ConfigMap")
     max_restarts: int = option(3, "in-pod worker-group restarts after crashes (the crash budget)")
     rdzv_port: int = option(29400, "rendezvous port on the master pod")
+    etcd_service: str | None = option(
+        None,
+        "rendezvous through an existing etcd cluster instead of on the master pod: its client Service, "
+        "NAME[.NAMESPACE][:PORT] (port 2379 when left out); losing any pod then leaves the others training",
+    )
     step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
     save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
     grace_s: int | None = option(
@@ -127,6 +135,17 @@ class K8sJob:
             return needed
         check_stop_window(self.grace_s, needed, "--grace-seconds")
         return self.grace_s
+
+    def etcd(self) -> tuple[str, int] | None:
+        """(host, port) of the etcd Service (checked: one, and a job of several pods), or None."""
+        if self.etcd_service is None:
+            return None
+        members = parse_endpoints("--etcd-service", self.etcd_service)
+        if len(members) != 1:
+            raise ConfigError(f"--etcd-service {self.etcd_service!r}: give one Service (it spreads over the members)")
+        if self.nodes < 2:
+            raise ConfigError("--etcd-service needs --nodes 2 or more: a one-pod job has nobody to meet")
+        return members[0]
 
     def cpu_amount(self) -> str:
         """CPU request and limit of each pod."""
@@ -169,6 +188,8 @@ class K8sJob:
                 text_arg(flag, value)
         if not 0 < self.rdzv_port < 65536:
             raise ConfigError(f"--rdzv-port {self.rdzv_port} is not a TCP port")
+        if self.etcd_service is not None:
+            self.etcd()
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0")
         k8s_quantity(self.cpu_amount(), "--cpu")
@@ -242,18 +263,26 @@ def _command(job: K8sJob, name: str, role: str) -> list[str]:
     multi = job.nodes > 1
     min_nodes = job.min_nodes or job.nodes
     master = f"{name}-master-0"
+    etcd = job.etcd()
+    if etcd is not None:
+        # No pod hosts anything: every one advertises its IP and meets the others in etcd.
+        endpoint, node_addr, backend = format_endpoint(etcd), "$(POD_IP)", ETCD_BACKEND
+    else:
+        endpoint, node_addr = f"{master}:{job.rdzv_port}", master if role == "Master" else "$(POD_IP)"
+        backend = None
     return [
         "ddptrain",
         *launch_argv(
             nnodes=f"{min_nodes}:{job.nodes}" if multi else "1",  # the operator's PET_NNODES, character for character
             nproc_per_node=str(job.procs),
-            endpoint=f"{master}:{job.rdzv_port}" if multi else None,
+            endpoint=endpoint if multi else None,
             run_id=name if multi else None,
-            node_addr=(master if role == "Master" else "$(POD_IP)") if multi else None,
+            node_addr=node_addr if multi else None,
             max_restarts=job.max_restarts,
             shutdown_s=worker_stop_s(job.step_s, job.save_s),
             config_path=f"{job.config_mount}/config.yaml",
             preempted_exit_code=PREEMPTED_EXIT_CODE,
+            rdzv_backend=backend,
         ),
     ]
 
@@ -318,10 +347,11 @@ def pytorch_job(cfg: Config, job: K8sJob) -> dict[str, Any]:
     if job.nodes > 1:
         # What the operator turns into PET_RDZV_ENDPOINT, PET_NNODES, PET_RDZV_ID, PET_MAX_RESTARTS:
         # the same values as the command line. Replica counts include the Master.
+        etcd = job.etcd()
         spec["elasticPolicy"] = {
-            "rdzvBackend": "c10d",
-            "rdzvHost": f"{name}-master-0",
-            "rdzvPort": job.rdzv_port,
+            "rdzvBackend": ETCD_BACKEND if etcd else "c10d",
+            "rdzvHost": etcd[0] if etcd else f"{name}-master-0",
+            "rdzvPort": etcd[1] if etcd else job.rdzv_port,
             "rdzvId": name,
             "minReplicas": job.min_nodes or job.nodes,
             "maxReplicas": job.nodes,

@@ -52,8 +52,14 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
-from ddptrain.etcd_endpoints import ETCD_BACKENDS, format_endpoints, parse_endpoints, require_client, wait_healthy
-from ddptrain.launch.etcd_rdzv import etcd_handler
+from ddptrain.etcd_endpoints import (
+    ETCD_BACKENDS,
+    ETCD_ENV,
+    format_endpoints,
+    parse_endpoints,
+    require_client,
+)
+from ddptrain.launch.etcd_rdzv import etcd_handler, no_healthy_member
 from ddptrain.launch.torch_support import check_torch
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
 
@@ -257,6 +263,7 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
                 "address cannot tell them apart (use e.g. the scheduler's job id)"
             )
         endpoint, run_id = format_endpoints(parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint)), args.run_id
+        env[ETCD_ENV] = endpoint  # `ddptrain doctor` as the worker command checks every member
         if args.node_addr:
             env[BIND_ADDR_ENV] = args.node_addr  # the workers' store listens on this address only
     elif args.rdzv_endpoint:
@@ -525,21 +532,6 @@ def _say(text: str) -> None:
     print(f"ddptrain launch: {text}", file=sys.stderr, flush=True)
 
 
-def _etcd_reachable(args: argparse.Namespace) -> bool:
-    """Wait (at most --rdzv-timeout) for one etcd member to be healthy; say which answered what when none did.
-
-    torch's etcd client would otherwise retry a dead endpoint for the whole rendezvous timeout and
-    end with an exception that does not name it.
-    """
-    endpoints = parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint)
-    answers = wait_healthy(endpoints, float(args.rdzv_timeout))
-    if any(why is None for why in answers.values()):
-        return True
-    whys = "; ".join(f"{format_endpoints([e])}: {why}" for e, why in answers.items())
-    _say(f"rendezvous failed: no etcd member was healthy within {args.rdzv_timeout} s ({whys})")
-    return False
-
-
 def launch(args: argparse.Namespace) -> int:
     """Run this node's agent until the job ends; returns the job's exit code."""
     check_torch()
@@ -569,7 +561,9 @@ def launch(args: argparse.Namespace) -> int:
         _say(line)
     if args.rdzv_backend in ETCD_BACKENDS:
         require_client()
-        if not _etcd_reachable(args):
+        why = no_healthy_member(parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint), args.rdzv_timeout)
+        if why is not None:
+            _say(f"rendezvous failed: {why}")
             return EXIT_FAILED
     os.environ.update(env)
     try:

@@ -25,10 +25,12 @@ from ddptrain.checks import text_arg
 from ddptrain.config import Config
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
 from ddptrain.launch.jobspec import (
+    ETCD_BACKEND,
     EXIT_USAGE,
     check_batch_split,
     check_procs_vs_gpus,
     check_stop_window,
+    etcd_endpoints,
     launch_argv,
     stop_budget_s,
     worker_stop_s,
@@ -50,6 +52,14 @@ class SlurmJob:
     """The resources and policies of one sbatch job (one launcher task per node); each field is an option."""
 
     nodes: int = option(1, "nodes (one `ddptrain launch` each)")
+    min_nodes: int | None = option(
+        None, "keep training while this many nodes remain (default --nodes: not elastic)", parse=int
+    )
+    etcd_endpoints: str | None = option(
+        None,
+        "rendezvous through an existing etcd cluster, HOST[:PORT],... of its members, instead of on the first "
+        "node (losing that node then no longer ends the job; docs/multinode.md)",
+    )
     gpus_per_node: int = option(0, "GPUs per node (0: CPU only)")
     nproc_per_node: int | None = option(None, "ranks per node (default: --gpus-per-node, else 1)", parse=int)
     cpus_per_node: int | None = option(
@@ -82,6 +92,10 @@ class SlurmJob:
         """CPUs per node (one task per node, so --cpus-per-task)."""
         return self.cpus_per_node or CPUS_PER_PROC * self.procs
 
+    def min_count(self) -> int:
+        """The fewest nodes the job trains with."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
+
     def memory(self) -> str:
         """Memory per node as SLURM's --mem."""
         return self.mem or f"{MEM_GB_PER_PROC * self.procs}G"
@@ -102,6 +116,9 @@ class SlurmJob:
                 text_arg(flag, value)  # a newline would start a shell line of its own in the script
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
+        if not 1 <= self.min_count() <= self.nodes:
+            raise ConfigError(f"--min-nodes {self.min_nodes} must be between 1 and --nodes {self.nodes}")
+        etcd_endpoints("--etcd-endpoints", self.etcd_endpoints)
         if self.gpus_per_node < 0:
             raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if self.cpus_per_node is not None and self.cpus_per_node < 1:
@@ -110,7 +127,7 @@ class SlurmJob:
             if self.nproc_per_node < 1:
                 raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node}")
             check_procs_vs_gpus(self.nproc_per_node, self.gpus_per_node)
-        check_batch_split(cfg, range(self.nodes, self.nodes + 1), self.procs)
+        check_batch_split(cfg, range(self.min_count(), self.nodes + 1), self.procs)
         if self.cpus() < self.procs:
             raise ConfigError(f"--cpus-per-node {self.cpus()} is fewer than the {self.procs} ranks per node")
         if self.mem != "0":
@@ -157,17 +174,21 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         "--open-mode=append",  # a requeued job appends to the same log
         f"--signal=B:USR1@{job.signal_s}",
         "--requeue",
-        *job.extra_sbatch,
     ]
+    if job.min_count() < job.nodes:
+        directives.append("--no-kill")  # a failed node leaves the others running (the launchers go on without it)
+    directives += job.extra_sbatch
+    etcd = etcd_endpoints("--etcd-endpoints", job.etcd_endpoints)
     argv = launch_argv(
-        nnodes=str(job.nodes),
+        nnodes=f"{job.min_count()}:{job.nodes}" if job.min_count() < job.nodes else str(job.nodes),
         nproc_per_node=str(job.procs),
         endpoint="$RDZV_ENDPOINT",
-        run_id="$SLURM_JOB_ID",
+        run_id="$RDZV_ID",
         node_addr="$addr",
         max_restarts=job.max_restarts,
         shutdown_s=worker_stop_s(job.step_s, job.save_s),
         config_path=str(config_path),
+        rdzv_backend=ETCD_BACKEND if etcd else None,
     )
     node_cmd = (
         'addr=$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2); '
@@ -176,12 +197,13 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     )
     header = "\n".join(f"#SBATCH {d}" for d in directives)
     port = str(job.rdzv_port) if job.rdzv_port else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
+    rendezvous = _ETCD.format(endpoints=shlex.quote(etcd)) if etcd else _FIRST_NODE.format(port=port)
     return _TEMPLATE.format(
         header=header,
+        rendezvous=rendezvous,
         run=cfg.run.name,
         run_dir=shlex.quote(str(run_dir)),
         max_requeues=job.max_requeues,
-        port=port,
         nodes=job.nodes,
         node_cmd=shlex.quote(node_cmd),
         preempted=EXIT_PREEMPTED,
@@ -191,6 +213,25 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         srun_cpus=f" --cpus-per-task={job.cpus()}",
     )
 
+
+_FIRST_NODE = """\
+# The first node of the allocation hosts the rendezvous; use its SLURM NodeAddr so that no
+# hostname has to resolve. The rendezvous id is the job id, which a requeued job keeps; so is the
+# port (derived from it unless fixed), so two jobs whose first node is the same machine do not collide.
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)
+RDZV_PORT={port}
+export RDZV_ENDPOINT="$HEAD_ADDR:$RDZV_PORT"
+export RDZV_ID="$SLURM_JOB_ID"
+"""
+
+_ETCD = """\
+# The rendezvous lives in an existing etcd cluster (its members below), so no node of the job is
+# special: any may be lost while --min-nodes remain. Other jobs share that cluster: the id names
+# this SLURM cluster and job (a requeued job keeps it and finds its own state again).
+export RDZV_ENDPOINT={endpoints}
+export RDZV_ID="slurm-${{SLURM_CLUSTER_NAME:-cluster}}-$SLURM_JOB_ID"
+"""
 
 _TEMPLATE = """\
 #!/bin/bash
@@ -205,14 +246,7 @@ RUN_DIR={run_dir}
 MAX_REQUEUES={max_requeues}
 CRASHES_FILE="$RUN_DIR/slurm/crashes-$SLURM_JOB_ID"
 
-# The first node of the allocation hosts the rendezvous; use its SLURM NodeAddr so that no
-# hostname has to resolve. The rendezvous id is the job id, which a requeued job keeps; so is the
-# port (derived from it unless fixed), so two jobs whose first node is the same machine do not collide.
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)
-RDZV_PORT={port}
-export RDZV_ENDPOINT="$HEAD_ADDR:$RDZV_PORT"
-echo "ddptrain-slurm: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, rendezvous $RDZV_ENDPOINT, $(date -u +%FT%T.%3N%:z)"
+{rendezvous}echo "ddptrain-slurm: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, rendezvous $RDZV_ENDPOINT, $(date -u +%FT%T.%3N%:z)"
 
 # The step runs in the background so that bash can run the USR1 trap while it waits.
 step_pid=""

@@ -22,6 +22,8 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from ddptrain.dist import read_torchrun_env, resolve_backend
 from ddptrain.errors import LaunchError
+from ddptrain.etcd_endpoints import ETCD_ENV, Endpoint, format_endpoint, health, parse_endpoints
 from ddptrain.observe.perf import device_name, peak_flops
 
 _ENV_VARS = (
@@ -50,6 +53,7 @@ _ENV_VARS = (
     "OMP_NUM_THREADS",
 )
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+ETCD_PROBE_S = 5.0  # per etcd request: a healthy member answers in milliseconds
 
 
 @dataclass
@@ -239,6 +243,25 @@ def check_endpoint(endpoint: str, timeout_s: float) -> Check:
     return Check("endpoint", "PASS", f"{endpoint} accepts connections ({time.monotonic() - t0:.2f}s)")
 
 
+def check_etcd(endpoints: Sequence[Endpoint], timeout_s: float) -> Check:
+    """Every etcd member of the rendezvous, asked at once: healthy (leader seen, v2 API on) within timeout_s.
+
+    PASS when all are; WARN when some are (the job can rendezvous, but the cluster is one loss
+    closer to losing its quorum); FAIL when none is.
+    """
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(endpoints)) as pool:
+        whys = list(pool.map(lambda e: health(e, timeout_s), endpoints))
+    bad = [f"{format_endpoint(e)}: {why}" for e, why in zip(endpoints, whys) if why is not None]
+    took = f"{time.monotonic() - t0:.2f}s"
+    if not bad:
+        return Check("etcd", "PASS", f"all {len(endpoints)} member(s) healthy, v2 API on ({took})")
+    verdict = "FAIL" if len(bad) == len(endpoints) else "WARN"
+    return Check(
+        "etcd", verdict, f"{len(endpoints) - len(bad)} of {len(endpoints)} healthy ({took}); " + "; ".join(bad)
+    )
+
+
 def check_rendezvous(env: tuple[int, int, int, int], backend: str, device: torch.device, timeout_s: float) -> Check:
     """Every rank joins the process group within timeout_s (the store is probed first for a clear reason)."""
     rank, world = env[0], env[1]
@@ -384,13 +407,19 @@ def _report(title: str, info: dict[str, str], checks: list[Check], extra: str = 
 
 
 def doctor(
-    backend: str = "auto", timeout_s: float = 30.0, max_bytes: int = 64 << 20, endpoint: str | None = None
+    backend: str = "auto",
+    timeout_s: float = 30.0,
+    max_bytes: int = 64 << 20,
+    endpoint: str | None = None,
+    etcd: str | None = None,
 ) -> int:
     """Run the checks this launch allows, print the report (rank 0, or any rank that fails); 0 when all pass.
 
     endpoint: a rendezvous HOST:PORT to probe from here (e.g. torchrun's --rdzv-endpoint, before
-    starting the agents on the other nodes).
+    starting the agents on the other nodes). etcd: the etcd members HOST[:PORT],... of an etcd
+    rendezvous (default: those `ddptrain launch --rdzv-backend etcd-v2` gives its workers).
     """
+    etcd = etcd or os.environ.get(ETCD_ENV)
     info = environment()
     launch, env = check_launch_env()
     checks = [launch]
@@ -402,6 +431,8 @@ def doctor(
         checks += [backend_check, device_check, check_interface(endpoint)]
         if endpoint:
             checks.append(check_endpoint(endpoint, timeout_s))
+        if etcd:
+            checks.append(check_etcd(parse_endpoints("--etcd", etcd), min(timeout_s, ETCD_PROBE_S)))
     if env is None or chosen is None or any(c.verdict == "FAIL" for c in checks):
         if env is not None and launch.verdict != "FAIL":
             checks.append(Check("rendezvous", "SKIP", "an earlier check failed"))
