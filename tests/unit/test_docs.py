@@ -176,7 +176,7 @@ def check_launch_dry_run(command: str, tmp: Path) -> None:
     argv.insert(argv.index("--"), "--dry-run")
     rc, out, err = _ddptrain(argv, tmp)
     assert rc == 0, err
-    assert " torchrun --nnodes 2 " in out.splitlines()[0] and "--rdzv-endpoint" in out
+    assert " torchrun --nnodes 2" in out.splitlines()[0] and "--rdzv-endpoint" in out
 
 
 def check_error_line(command: str, tmp: Path) -> None:
@@ -267,6 +267,11 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^torchrun --standalone --nproc-per-node \d+ -m (ddptrain doctor|bench)", _SKIP_DIST),
     (r"^torchrun --nnodes 2 ", "needs two machines: tests/cluster/test_multinode_faults.py runs it on namespace hosts"),
     (r"^ddptrain launch --nnodes 2 ", check_launch_dry_run),
+    (r"^ddptrain launch --nnodes 2:3 --rdzv-backend etcd-v2 ", check_launch_dry_run),
+    (
+        r"^ddptrain doctor --etcd 10\.0\.0\.11:2379,",
+        "needs etcd members: tests/cluster/test_etcd_rendezvous.py runs doctor --etcd against real ones",
+    ),
     (r"^python -m ddptrain launch --nnodes N ", "the template every node runs, with placeholders N, K, HEAD"),
     (r"^ddptrain slurm -c examples/gpt-small\.yaml .* \[--submit\]$", check_generated_slurm_script),
     (r"^ddptrain slurm -c examples/gpt-small\.yaml .* --submit$", check_runs_and_prints_documents),

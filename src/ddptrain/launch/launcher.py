@@ -68,6 +68,7 @@ EXIT_OK, EXIT_FAILED = 0, 1
 FINAL_EXIT_CODES = (EXIT_PREEMPTED, EXIT_USAGE, EXIT_INTERRUPTED)
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LOOPBACK = "127.0.0.1"
+ETCD_READ_TIMEOUT_S = 10  # per etcd request, below the dynamic rendezvous' keep-alive expiry (15 s)
 
 
 def add_parser(sub: Any) -> None:
@@ -264,6 +265,11 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
             )
         endpoint, run_id = format_endpoints(parse_endpoints("--rdzv-endpoint", args.rdzv_endpoint)), args.run_id
         env[ETCD_ENV] = endpoint  # `ddptrain doctor` as the worker command checks every member
+        if "read_timeout=" not in args.rdzv_conf:
+            # torch waits 60 s on an etcd request; a member that stopped answering then holds a node's
+            # keep-alive past its expiry (3 x 5 s) and the others drop it. After this long the client
+            # moves on to another member: etcd answers in milliseconds when it answers at all.
+            conf.append(f"read_timeout={ETCD_READ_TIMEOUT_S}")
         if args.node_addr:
             env[BIND_ADDR_ENV] = args.node_addr  # the workers' store listens on this address only
     elif args.rdzv_endpoint:
