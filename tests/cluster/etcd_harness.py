@@ -27,7 +27,7 @@ CLIENT_PORT, PEER_PORT = 2379, 2380
 def etcd_missing() -> str | None:
     """Why etcd tests cannot run here (no server binary, no client library), or None."""
     if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
-        return "needs Debian's etcd-server (etcd and etcdctl; .ci/install-etcd installs it)"
+        return "needs Debian's etcd-server and etcd-client (etcd, etcdctl; .ci/install-etcd installs them)"
     try:
         import etcd  # noqa: F401
     except ImportError:
