@@ -14,12 +14,14 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
+from etcd_harness import etcd_missing, loopback_etcd
 from helpers import TINY, env_for_subprocess, final_model_state, read_metrics
 from slurm_harness import REQUEUE_DELAY_S, SlurmCluster, report, skip_reason
 
@@ -244,3 +246,27 @@ def test_two_jobs_on_the_same_head_node_at_once_both_finish(
         pytestconfig,
         f"two concurrent jobs on {infos[0]['NodeList']} finished, rendezvous {endpoints[0]} and {endpoints[1]}",
     )
+
+
+@pytest.mark.timeout(180)
+def test_job_with_etcd_endpoints_meets_in_etcd(
+    slurm: SlurmCluster, corpus_dir: Path, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    """--etcd-endpoints: the job's launcher rendezvous through a real etcd under the id the script names."""
+    reason = etcd_missing()
+    if reason:
+        pytest.skip(reason)
+    run_dir = tmp_path / "run"
+    with loopback_etcd(tmp_path) as endpoint:
+        config = [*TINY, "train.max_steps=5", f"data.dir={corpus_dir}", f"run.dir={run_dir}"]
+        job = _submit(slurm, tmp_path, [*config, *JOB, "--etcd-endpoints", endpoint])
+        info = slurm.wait_for(job, DONE, 150)
+        log = _job_log(run_dir)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
+        assert f"rendezvous {endpoint}," in log
+        cluster = re.search(r"ClusterName=(\S+)", slurm.conf.read_text()).group(1)  # type: ignore[union-attr]
+        key = f"http://{endpoint}/v2/keys/torch/elastic/rendezvous/slurm-{cluster}-{job}"
+        with urllib.request.urlopen(key, timeout=5) as answer:  # the rendezvous state the job left in etcd
+            assert json.load(answer)["node"]["key"].endswith(f"slurm-{cluster}-{job}")
+    assert read_metrics(run_dir)[-1]["step"] == 5 and read_metrics(run_dir)[-1]["world_size"] == 2
+    report(pytestconfig, f"a job with --etcd-endpoints {endpoint} finished through etcd")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ddptrain.cli import main
 from ddptrain.errors import LaunchError
 from ddptrain.etcd_endpoints import DEFAULT_PORT, ETCD_ENV, format_endpoints, parse_endpoints
-from ddptrain.observe.doctor import check_etcd
+from ddptrain.observe.doctor import check_etcd, doctor
 
 _labels = st.text("abz09", min_size=1, max_size=4) | st.tuples(
     st.text("az", min_size=1, max_size=2), st.text("-", max_size=2), st.text("z9", min_size=1, max_size=2)
@@ -98,3 +98,16 @@ def test_doctor_fails_a_closed_etcd_endpoint_in_bounded_time() -> None:
         port = s.getsockname()[1]
     check = check_etcd(parse_endpoints("--etcd", f"127.0.0.1:{port}"), 1.0)
     assert check.verdict == "FAIL" and "0 of 1 healthy" in check.detail and f"127.0.0.1:{port}: " in check.detail
+
+
+def test_doctor_under_an_etcd_launch_checks_its_members(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher hands its workers the members (ETCD_ENV): `launch ... -- doctor` checks them unasked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv(ETCD_ENV, closed)
+    assert doctor(timeout_s=1.0, max_bytes=0) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  etcd        0 of 1 healthy" in out and "verdict: FAIL (etcd)" in out, out
