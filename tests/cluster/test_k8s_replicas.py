@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from etcd_harness import etcd_missing, start_etcd
 from helpers import TINY, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 from kubeflow_operator import injected_env, pod_restarted, with_defaults
 from netns import Cluster, Node, unavailable_reason
@@ -98,6 +99,7 @@ class Pods:
         self.config_mount.mkdir()
         self.job: dict[str, Any] = {}
         self.procs: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
+        self.services: dict[str, str] = {}  # more Service names the pods resolve (name -> address)
 
     def generate(self, args: list[str]) -> None:
         """`ddptrain k8s ARGS` with the volumes at this test's folders; the ConfigMap materialised."""
@@ -137,7 +139,8 @@ class Pods:
         ]
         pod_ips = [h.addr for h in self.hosts] if self.hosts else [LOOPBACK] * len(replicas)
         hosts = self.tmp / "hosts"  # the kubelet-managed /etc/hosts plus the Master Service's DNS name
-        hosts.write_text(f"127.0.0.1 localhost\n{pod_ips[0]} {self.job['metadata']['name']}-master-0\n")
+        services = {f"{self.job['metadata']['name']}-master-0": pod_ips[0], **self.services}
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in services.items()))
         self.procs = []
         for i, ((role, index, container), pod_ip) in enumerate(zip(replicas, pod_ips)):
             pod_env = _container_env(container, pod_ip, injected_env(self.job, role, index))
@@ -189,6 +192,22 @@ def test_manifest_replicas_train_to_the_end(pods: Pods, corpus_dir: Path) -> Non
     if pods.hosts:  # rank 0 ran on one of the namespace hosts, under its hostname
         assert read_metrics(pods.run_dir, "event")[0]["host"] in {h.hostname for h in pods.hosts}
     assert (pods.run_dir / "checkpoints" / "step-00000006" / "manifest.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_manifest_with_etcd_service_trains_through_etcd(pods: Pods, corpus_dir: Path, tmp_path: Path) -> None:
+    """--etcd-service: both pods meet in a real etcd reached by its Service name, as the operator announces."""
+    if etcd_missing() or pods.hosts is None:
+        pytest.skip(etcd_missing() or "needs namespace hosts (etcd listens on a pod host's address)")
+    etcd_host = pods.hosts[0]  # etcd beside the first pod: what matters here is the manifest's wiring
+    start_etcd([etcd_host], tmp_path)
+    pods.services["etcd-client.etcd"] = etcd_host.addr
+    pods.generate([*TINY, f"data.dir={corpus_dir}", "run.dir=runs/k8s", "--etcd-service", "etcd-client.etcd"])
+    pods.start()
+    codes, logs = pods.wait(100)
+    assert codes == {"Master-0": 0, "Worker-0": 0}, logs
+    assert "differs from" not in logs  # PET_RDZV_ENDPOINT (the Service) agrees with the command line
+    assert read_metrics(pods.run_dir)[-1]["world_size"] == 2, logs
 
 
 @pytest.mark.timeout(300)
