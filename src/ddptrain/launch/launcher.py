@@ -53,6 +53,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.launch.torch_support import check_torch
+from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -294,9 +295,14 @@ class _Agent(LocalElasticAgent):
         self.exit_codes: dict[int, int] = {}  # local rank -> exit code of the last worker group
         self.store_limit_s = store_limit_s
         self.deadline: float | None = None  # monotonic time by which the current phase must end
+        # The recovery timeline's agent side (observe/recovery.py): set from the failure seen to
+        # the new workers' spawn, handed to them in AGENT_MARKS_ENV.
+        self.recovery_marks: dict[str, float] = {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+            self.recovery_marks.setdefault("failure_seen", time.time())
         if result.is_failed() and any(f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
             # The same idiom torchrun uses for workers stuck in the kernel: no restart.
             self._remaining_restarts = 0
@@ -306,12 +312,27 @@ class _Agent(LocalElasticAgent):
         checked: RunResult = result
         return checked
 
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.recovery_marks.setdefault("failure_seen", time.time())  # or a node waiting to join
+        super()._restart_workers(worker_group)
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.deadline = time.monotonic() + 2 * self.store_limit_s  # the join timeout, then the store's
         try:
             super()._rendezvous(worker_group)
         finally:
             self.deadline = None
+        if self.recovery_marks:
+            self.recovery_marks["rendezvous_done"] = time.time()
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self.recovery_marks:
+            self.recovery_marks["workers_spawned"] = time.time()
+            os.environ[AGENT_MARKS_ENV] = encode_agent_marks(self.recovery_marks)  # workers inherit it
+        self.recovery_marks = {}
+        started: dict[int, Any] = super()._start_workers(worker_group)
+        os.environ.pop(AGENT_MARKS_ENV, None)
+        return started
 
     def _exit_barrier(self) -> None:
         self.deadline = time.monotonic() + self._exit_barrier_timeout + self.store_limit_s
@@ -322,6 +343,8 @@ class _Agent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)  # the base class waits a fixed 30 s
+        if self.recovery_marks:
+            self.recovery_marks["workers_stopped"] = time.time()
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # While the workers stop (they may be committing a checkpoint), a second Ctrl-C goes to them
