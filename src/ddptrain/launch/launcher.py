@@ -36,6 +36,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +54,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.launch.torch_support import check_torch
+from ddptrain.launch.worker_start import WORKER_STARTS, run_worker, use_preloaded_server
 from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
 
@@ -135,6 +137,13 @@ def add_parser(sub: Any) -> None:
         "a Kubernetes job uses 143 "
         "so that the operator's ExitCode policy restarts it)",
     )
+    p.add_argument(
+        "--worker-start",
+        choices=WORKER_STARTS,
+        default="preloaded",
+        help="preloaded: fork workers from a server that imported torch once (restarts skip seconds of imports); "
+        "exec: a fresh interpreter per worker, as torchrun does (default preloaded)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the equivalent torchrun command and exit")
     p.add_argument(
         "worker_command",
@@ -212,8 +221,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise LaunchError(f"--rdzv-conf item {item!r} must look like KEY=VALUE")
 
 
-def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
-    """(environment additions, torchrun arguments) equivalent to the launch options."""
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The ddptrain command each worker runs (what follows `--`); LaunchError when there is none."""
     command = list(args.worker_command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -221,6 +230,12 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         raise LaunchError(
             "nothing to launch: add the worker command after --, e.g. ddptrain launch ... -- train -c cfg.yaml"
         )
+    return command
+
+
+def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
+    """(environment additions, torchrun arguments) equivalent to the launch options."""
+    command = worker_command(args)
     _, max_nodes = node_counts(args.nnodes)
     nproc_per_node(args.nproc_per_node)
     _check_numbers(args)
@@ -326,12 +341,19 @@ class _Agent(LocalElasticAgent):
             self.recovery_marks["rendezvous_done"] = time.time()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        marks = ""
         if self.recovery_marks:
             self.recovery_marks["workers_spawned"] = time.time()
-            os.environ[AGENT_MARKS_ENV] = encode_agent_marks(self.recovery_marks)  # workers inherit it
+            marks = encode_agent_marks(self.recovery_marks)
         self.recovery_marks = {}
-        started: dict[int, Any] = super()._start_workers(worker_group)
-        os.environ.pop(AGENT_MARKS_ENV, None)
+        spec = worker_group.spec
+        if callable(spec.entrypoint):  # preloaded: run_worker(agent_marks, *command)
+            spec.args = (marks, *spec.args[1:])
+            started: dict[int, Any] = super()._start_workers(worker_group)
+        else:  # exec: a fresh interpreter inherits the agent's environment
+            os.environ[AGENT_MARKS_ENV] = marks
+            started = super()._start_workers(worker_group)
+            os.environ.pop(AGENT_MARKS_ENV, None)
         return started
 
     def _exit_barrier(self) -> None:
@@ -396,12 +418,15 @@ class _StallGuard(threading.Thread):
             f"the rendezvous store was unreachable for over {self.agent.store_limit_s:g} s "
             "(host node or network gone?): stopping this node"
         )
-        pcontext = self.agent._pcontext  # the worker processes are in sessions of their own
+        pcontext = self.agent._pcontext
         for pid in pcontext.pids().values() if pcontext is not None else ():
-            try:
+            try:  # exec'd workers lead sessions of their own (their children go too); forked ones do not
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
-                pass
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         os._exit(EXIT_FAILED)  # the main thread is stuck in the store call: no cleanup is possible
 
 
@@ -423,7 +448,9 @@ def _rendezvous_handler(params: RendezvousParameters, bind: str | None) -> Rende
     return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
 
 
-def _make_agent(config: LaunchConfig, entrypoint: str, args: list[str], exit_barrier_timeout: float) -> _Agent:
+def _make_agent(
+    config: LaunchConfig, entrypoint: str | Callable[..., None], args: list[str], exit_barrier_timeout: float
+) -> _Agent:
     """What torch.distributed.launcher.api.launch_agent builds, with our agent class."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -541,7 +568,10 @@ def launch(args: argparse.Namespace) -> int:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))
     except (ValueError, AssertionError, RuntimeError) as e:
         raise LaunchError(f"invalid launch options: {e}") from None
-    agent = _make_agent(config, entrypoint, entry_args, args.exit_barrier_timeout)  # type: ignore[arg-type]
+    if args.worker_start == "preloaded":
+        config.start_method = use_preloaded_server()
+        entrypoint, entry_args = run_worker, ["", *worker_command(args)]
+    agent = _make_agent(config, entrypoint, entry_args, args.exit_barrier_timeout)
     _StallGuard(agent).start()
     shutdown_rdzv = True
     try:
