@@ -1,15 +1,13 @@
 # ddptrain: `make train` trains the default model, `make test` runs the whole suite.
 # Both create the virtual environment on first use. TORCH pins the torch install (the tested range
-# is in pyproject.toml). PyPI's Linux torch is the multi-GB CUDA build, so on a machine without an
-# NVIDIA driver (no nvidia-smi) torch comes from PyTorch's CPU index as well (its +cpu build wins
-# for the same version); with a driver, from PyPI (CUDA). Force either: make TORCH_INDEX= (PyPI
-# only) or make TORCH_INDEX=https://download.pytorch.org/whl/cuXYZ (another CUDA version).
+# is in pyproject.toml); it comes from pip's configured index (PyPI: the CUDA build on Linux).
+# TORCH_INDEX=URL adds a wheel index for it, e.g. PyTorch's CPU or CUDA-version index (the URL
+# that pytorch.org's install page gives): make TORCH_INDEX=URL test.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,$(TORCH_CPU_INDEX))
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddptrain-installed
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -183,7 +184,24 @@ def _worker_store(rank: int, world: int, timeout: timedelta) -> TCPStore | None:
             return listening_store(bind, port, timeout, world)
         except OSError as e:
             raise LaunchError(f"cannot serve the job's store on {bind}:{port}: {e.strerror or e}") from None
+    _wait_until_listening(host, port, timeout.total_seconds())
     return TCPStore(host, port, world, False, timeout=timeout)
+
+
+def _wait_until_listening(host: str, port: int, timeout_s: float) -> None:
+    """Return once host:port accepts connections, or after timeout_s (TCPStore then reports the error).
+
+    After a restart the other ranks often start before rank 0's store listens; TCPStore's own
+    retry backs off for seconds between attempts (the recovery timeline showed ~6 s in "process
+    group"), while polling every 50 ms connects within 50 ms of the store being up.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.05)
 
 
 def close_distributed(ctx: DistContext) -> None:

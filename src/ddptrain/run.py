@@ -50,6 +50,7 @@ from ddptrain.errors import CheckpointSaveError, DataError, Interrupted, NonFini
 from ddptrain.models import build_model, fit_vocab_to_data
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.runlog import run_logging
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
@@ -90,6 +91,7 @@ class Run:
     progress: Progress
     triage: Triage
     lease: RunLease | None = None  # rank 0's lease on run.dir
+    timeline: RecoveryTimeline | None = None  # marks of this (re)start, written after the first step
     status: str = "failed"  # until fit() says otherwise; ends the trackers' runs in close()
 
     def fit(self) -> RunResult:
@@ -100,7 +102,7 @@ class Run:
             log.info("nothing to do: already at step %d (train.max_steps=%d)", trainer.step, self.cfg.train.max_steps)
         stop = StopRequest(announce=ctx.is_main).install()
         try:
-            trainer.fit(stop_request=stop, watchdog=self.triage)
+            trainer.fit(stop_request=stop, watchdog=self.triage, timeline=self.timeline)
         except (Preempted, Interrupted) as e:
             status = "preempted" if isinstance(e, Preempted) else "interrupted"
             self.progress.close()
@@ -176,16 +178,18 @@ def build_run(
     model: nn.Module | None = None,
     datasets: Datasets | None = None,
     trainer_cls: type[Trainer] = Trainer,
+    timeline: RecoveryTimeline | None = None,
 ) -> Run:
     """Steps 2-8 of the module docstring on every rank of ctx (the process group already exists).
 
     trainer_cls: a subclass of Trainer with step methods of your own (the benchmarks use one).
+    timeline: the marks of this (re)start so far; the run adds its own and writes them after the first step.
     """
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     lease = take_lease(run_dir, ctx)
     try:
-        return _build(cfg, ctx, lease, model, datasets, trainer_cls)
+        return _build(cfg, ctx, lease, model, datasets, trainer_cls, timeline)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -225,6 +229,7 @@ def _build(
     model: nn.Module | None,
     datasets: Datasets | None,
     trainer_cls: type[Trainer],
+    timeline: RecoveryTimeline | None,
 ) -> Run:
     run_dir = cfg.run_dir
     live_datasets = datasets is not None
@@ -254,7 +259,7 @@ def _build(
     checkpointer.setup()
     triage = Triage(ctx, run_dir, cfg.dist.timeout_s, Budgets.from_config(cfg), metrics.write)
     triage.setup()
-    run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease)
+    run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease, timeline)
     try:
         _resume(run)
     except BaseException:
@@ -321,6 +326,8 @@ def _resume(run: Run) -> None:
     )
     log.info(trainer.throughput.describe())
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if run.timeline is not None:
+        run.timeline.mark("checkpoint_loaded")
     run.metrics.write(
         "event",
         event="resume" if found else "start",
@@ -377,9 +384,12 @@ def train(
     built-in GPT (build it the same way on every rank). datasets: (train, val or None) instead of
     `data.*`. Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
     """
+    timeline = RecoveryTimeline.from_environment()
+    timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
     with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
-        run = build_run(cfg, ctx, model, datasets)
+        timeline.mark("process_group_ready")
+        run = build_run(cfg, ctx, model, datasets, timeline=timeline)
         try:
             return run.fit()
         finally:

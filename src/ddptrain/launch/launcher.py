@@ -36,6 +36,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -61,6 +62,8 @@ from ddptrain.etcd_endpoints import (
 )
 from ddptrain.launch.etcd_rdzv import etcd_handler, no_healthy_member
 from ddptrain.launch.torch_support import check_torch
+from ddptrain.launch.worker_start import WORKER_STARTS, run_worker, use_preloaded_server
+from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -155,6 +158,13 @@ def add_parser(sub: Any) -> None:
         "a Kubernetes job uses 143 "
         "so that the operator's ExitCode policy restarts it)",
     )
+    p.add_argument(
+        "--worker-start",
+        choices=WORKER_STARTS,
+        default="preloaded",
+        help="preloaded: fork workers from a server that imported torch once (restarts skip seconds of imports); "
+        "exec: a fresh interpreter per worker, as torchrun does (default preloaded)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the equivalent torchrun command and exit")
     p.add_argument(
         "worker_command",
@@ -232,8 +242,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise LaunchError(f"--rdzv-conf item {item!r} must look like KEY=VALUE")
 
 
-def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
-    """(environment additions, torchrun arguments) equivalent to the launch options."""
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The ddptrain command each worker runs (what follows `--`); LaunchError when there is none."""
     command = list(args.worker_command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -241,6 +251,12 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         raise LaunchError(
             "nothing to launch: add the worker command after --, e.g. ddptrain launch ... -- train -c cfg.yaml"
         )
+    return command
+
+
+def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
+    """(environment additions, torchrun arguments) equivalent to the launch options."""
+    command = worker_command(args)
     _, max_nodes = node_counts(args.nnodes)
     nproc_per_node(args.nproc_per_node)
     _check_numbers(args)
@@ -338,9 +354,14 @@ class _Agent(LocalElasticAgent):
         self.exit_codes: dict[int, int] = {}  # local rank -> exit code of the last worker group
         self.store_limit_s = store_limit_s
         self.deadline: float | None = None  # monotonic time by which the current phase must end
+        # The recovery timeline's agent side (observe/recovery.py): set from the failure seen to
+        # the new workers' spawn, handed to them in AGENT_MARKS_ENV.
+        self.recovery_marks: dict[str, float] = {}
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+            self.recovery_marks.setdefault("failure_seen", time.time())
         if result.is_failed() and any(f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
             # The same idiom torchrun uses for workers stuck in the kernel: no restart.
             self._remaining_restarts = 0
@@ -350,12 +371,34 @@ class _Agent(LocalElasticAgent):
         checked: RunResult = result
         return checked
 
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.recovery_marks.setdefault("failure_seen", time.time())  # or a node waiting to join
+        super()._restart_workers(worker_group)
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.deadline = time.monotonic() + 2 * self.store_limit_s  # the join timeout, then the store's
         try:
             super()._rendezvous(worker_group)
         finally:
             self.deadline = None
+        if self.recovery_marks:
+            self.recovery_marks["rendezvous_done"] = time.time()
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        marks = ""
+        if self.recovery_marks:
+            self.recovery_marks["workers_spawned"] = time.time()
+            marks = encode_agent_marks(self.recovery_marks)
+        self.recovery_marks = {}
+        spec = worker_group.spec
+        if callable(spec.entrypoint):  # preloaded: run_worker(agent_marks, *command)
+            spec.args = (marks, *spec.args[1:])
+            started: dict[int, Any] = super()._start_workers(worker_group)
+        else:  # exec: a fresh interpreter inherits the agent's environment
+            os.environ[AGENT_MARKS_ENV] = marks
+            started = super()._start_workers(worker_group)
+            os.environ.pop(AGENT_MARKS_ENV, None)
+        return started
 
     def _exit_barrier(self) -> None:
         self.deadline = time.monotonic() + self._exit_barrier_timeout + self.store_limit_s
@@ -366,6 +409,8 @@ class _Agent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)  # the base class waits a fixed 30 s
+        if self.recovery_marks:
+            self.recovery_marks["workers_stopped"] = time.time()
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # While the workers stop (they may be committing a checkpoint), a second Ctrl-C goes to them
@@ -417,12 +462,15 @@ class _StallGuard(threading.Thread):
             f"the rendezvous store was unreachable for over {self.agent.store_limit_s:g} s "
             "(host node or network gone?): stopping this node"
         )
-        pcontext = self.agent._pcontext  # the worker processes are in sessions of their own
+        pcontext = self.agent._pcontext
         for pid in pcontext.pids().values() if pcontext is not None else ():
-            try:
+            try:  # exec'd workers lead sessions of their own (their children go too); forked ones do not
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
-                pass
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         os._exit(EXIT_FAILED)  # the main thread is stuck in the store call: no cleanup is possible
 
 
@@ -446,7 +494,9 @@ def _rendezvous_handler(params: RendezvousParameters, bind: str | None) -> Rende
     return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
 
 
-def _make_agent(config: LaunchConfig, entrypoint: str, args: list[str], exit_barrier_timeout: float) -> _Agent:
+def _make_agent(
+    config: LaunchConfig, entrypoint: str | Callable[..., None], args: list[str], exit_barrier_timeout: float
+) -> _Agent:
     """What torch.distributed.launcher.api.launch_agent builds, with our agent class."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -576,7 +626,10 @@ def launch(args: argparse.Namespace) -> int:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))
     except (ValueError, AssertionError, RuntimeError) as e:
         raise LaunchError(f"invalid launch options: {e}") from None
-    agent = _make_agent(config, entrypoint, entry_args, args.exit_barrier_timeout)  # type: ignore[arg-type]
+    if args.worker_start == "preloaded":
+        config.start_method = use_preloaded_server()
+        entrypoint, entry_args = run_worker, ["", *worker_command(args)]
+    agent = _make_agent(config, entrypoint, entry_args, args.exit_barrier_timeout)
     _StallGuard(agent).start()
     shutdown_rdzv = True
     try:

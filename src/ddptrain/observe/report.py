@@ -156,6 +156,8 @@ def _mark_events(ax: Any, story: Story) -> None:
     the same step share one line (the first one's style) and one label."""
     by_step: dict[int, list[Event]] = {}
     for e in story.events:
+        if e.kind == "recovery":
+            continue  # a timing, told in summary.txt; its restart is already marked as "resume"
         by_step.setdefault(e.step, []).append(e)
     for step, events in sorted(by_step.items()):
         colour, style, marker = _EVENT_STYLE.get(events[0].kind, ("grey", ":", "."))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddptrain.observe.recovery import describe_recovery
+
 _STARTS = ("start", "resume")
 
 
@@ -18,7 +20,7 @@ _STARTS = ("start", "resume")
 class Event:
     """Something that happened to the run, at a step and a wall-clock time."""
 
-    kind: str  # resume, world size, preempted, crashed, stopped, skipped steps, save failed
+    kind: str  # resume, recovery, world size, preempted, crashed, stopped, skipped steps, save failed
     step: int
     time: float
     detail: str
@@ -134,6 +136,8 @@ def tell(records: list[dict[str, Any]], finished: bool) -> Story:
                 )
             elif r["kind"] == "event" and r.get("event") == "stopped":
                 events.append(Event("stopped", r["step"], _when(r), str(r.get("reason", ""))))
+            elif r["kind"] == "event" and r.get("event") == "recovery":
+                events.append(Event("recovery", r["step"], _when(r), describe_recovery(r)))
             elif r["kind"] == "event" and r.get("event") == "checkpoint_failed":
                 events.append(Event("save failed", r["step"], _when(r), str(r.get("error", ""))))
             elif r["kind"] == "train" and r.get("skipped_steps") and (cut is None or r["step"] <= cut):

@@ -40,7 +40,8 @@ from ddptrain.observe.watchdog import Budgets, Hang, HangWatchdog
 log = logging.getLogger(__name__)
 
 TRIAGE_STORE_ENV = "DDPTRAIN_TRIAGE_STORE"  # HOST:PORT of a store that outlives the workers (set by `ddptrain launch`)
-ARRIVAL_WAIT_S = 2.0  # how long a rank whose collective failed waits for the others to check in
+ARRIVAL_WAIT_S = 2.0  # how long a rank whose collective failed waits at most for the others to check in
+ARRIVAL_QUIET_S = 0.5  # ... and how long after the last one that did
 REPORT_WAIT_S = 5.0  # how long a rank whose watchdog fired waits for the other ranks' forensics
 _SHOWN = 8  # ranks named per list in one message
 # Substrings of the errors gloo and NCCL raise when a peer is gone or a collective timed out.
@@ -205,19 +206,29 @@ class Triage:
             # A rank that failed on its own leaves its error and goes (its peers are blocked in
             # a collective until it exits); the others wait briefly for everyone to check in.
             store.set(keys[self.ctx.rank], "arrived" if collective else what)
-            deadline = time.monotonic() + (ARRIVAL_WAIT_S if collective else 0.0)
+            # Ranks failing in the same collective arrive within a fraction of a second of each
+            # other; a dead one never does. So the wait ends once nobody new arrived for
+            # ARRIVAL_QUIET_S, or after ARRIVAL_WAIT_S: it is on the critical path of every restart.
+            start = time.monotonic()
+            deadline, quiet_until = start + (ARRIVAL_WAIT_S if collective else 0.0), start + ARRIVAL_QUIET_S
+            present: list[int] = []
             while True:
-                present = [r for r, k in enumerate(keys) if store.check([k])]
-                if len(present) == len(keys) or time.monotonic() >= deadline:
+                arrived = [r for r, k in enumerate(keys) if store.check([k])]
+                if len(arrived) > len(present):
+                    quiet_until = time.monotonic() + ARRIVAL_QUIET_S
+                present = arrived
+                now = time.monotonic()
+                if len(present) == len(keys) or now >= deadline or now >= quiet_until:
                     break
-                time.sleep(0.1)
+                time.sleep(0.05)
+            waited = time.monotonic() - start
             errors = {r: store.get(keys[r]).decode() for r in present if r != self.ctx.rank}
         except (RuntimeError, KeyError, ValueError) as e:  # store gone with its host, link down, no torchrun
             return f"; could not reach the job's store to see which ranks arrived ({_first_line(e)})"
         parts = []
         missing = [r for r in range(self.ctx.world_size) if r not in present]
         if collective and missing:
-            parts.append(f"did not arrive within {ARRIVAL_WAIT_S:g} s: rank {self._name(missing)}")
+            parts.append(f"did not arrive within {waited:.1f} s: rank {self._name(missing)}")
         for r, err in sorted(errors.items()):
             if err != "arrived" and len(parts) < _SHOWN:
                 parts.append(f"rank {r} ({self.hosts[r]}) reported {err}")

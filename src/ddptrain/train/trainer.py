@@ -31,6 +31,7 @@ from ddptrain.models.loss import extract_loss, model_name
 from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.perf import StepTimer, Throughput
+from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.triage import Triage
 from ddptrain.train.agreement import StopAgreement
@@ -277,13 +278,19 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def fit(self, stop_request: StopRequest | None = None, watchdog: Triage | None = None) -> None:
+    def fit(
+        self,
+        stop_request: StopRequest | None = None,
+        watchdog: Triage | None = None,
+        timeline: RecoveryTimeline | None = None,
+    ) -> None:
         """Train until train.max_steps, logging, evaluating and checkpointing on the way.
 
         stop_request: a coordinated stop (Preempted or, after Ctrl-C, Interrupted once the checkpoint is
         committed). The ranks agree on it one
         step late (train.agreement), so every rank stops after the same step without blocking any.
         watchdog: armed around each step to dump stacks when a step hangs.
+        timeline: a restart's marks; the first step completes it (the `recovery` event).
         """
         cfg = self.cfg
         if isinstance(self.scheduler, PlannedSchedule):
@@ -294,6 +301,8 @@ class Trainer:
             if watchdog is not None:
                 watchdog.arm(self.step + 1)
             result = self.train_step()
+            if timeline is not None and timeline.waiting:
+                timeline.first_step(self.step, result.loss, self.metrics.write)
             agreed = self.agreement.poll(stop_request.level) if stop_request is not None else NO_STOP
             stop = agreed != NO_STOP
             if watchdog is not None:

@@ -1,0 +1,64 @@
+"""Workers forked from a server that has already imported torch, instead of fresh interpreters.
+
+A worker started as `python -m ddptrain` spends seconds before it can do anything: the interpreter,
+`import torch`, and torch._dynamo, which torch imports the first time an optimizer is built
+(~3 s each on a 2-core machine, measured by the recovery timeline). After a failure every worker
+of the job pays that again, on the critical path of the restart.
+
+With `--worker-start preloaded` (the default) the agent starts its workers through Python's
+forkserver, whose server process imports PRELOAD once, when the job starts; every (re)start
+then forks from it in milliseconds. The worker runs the same `python -m ddptrain ...` code path
+(run_worker executes ddptrain/__main__.py), so nothing else differs. Environment: a forked worker
+has the agent's environment as it was when the server started, plus the variables torchrun sets
+per worker; what the agent learns later (the recovery marks) comes as an argument.
+
+The server never initialises CUDA or runs a parallel region (import only), so forking from it is
+safe for CUDA, NCCL and OpenMP alike. `--worker-start exec` keeps torchrun's plain subprocesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import runpy
+import sys
+
+from ddptrain.observe.recovery import AGENT_MARKS_ENV
+
+PRELOAD = ["ddptrain.cli", "torch._dynamo"]
+WORKER_STARTS = ("preloaded", "exec")
+
+
+def use_preloaded_server() -> str:
+    """Make worker processes fork from a preloaded server; returns the start method for torch's agent."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_exit_traceback)
+    return "forkserver"
+
+
+def _no_exit_traceback(record: logging.LogRecord) -> bool:
+    """Keep torch's "failed (exitcode: N)" line for a forked worker but not the traceback it attaches:
+    that traceback is the agent's own polling code, not the worker's error (which the worker printed)."""
+    if record.exc_info and record.exc_info[0] is not None and record.exc_info[0].__name__ == "ProcessExitedException":
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def run_worker(agent_marks: str, *argv: str) -> None:
+    """`python -m ddptrain ARGV` in this forked process: its exit code is the worker's exit code."""
+    # A session of its own, as torchrun gives exec'd workers: a terminal's Ctrl-C reaches the
+    # agent only, which forwards it once (a second one means "quit now" to the workers).
+    os.setsid()
+    if agent_marks:
+        os.environ[AGENT_MARKS_ENV] = agent_marks
+    else:
+        os.environ.pop(AGENT_MARKS_ENV, None)
+    sys.path.insert(0, os.getcwd())  # as `python -m` does: modules named by targets resolve from the cwd
+    sys.argv = ["ddptrain", *argv]
+    # `python -u` of the exec start: output reaches the agent's log as it is written.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
