@@ -363,6 +363,9 @@ class _Agent(LocalElasticAgent):
         if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
             self.recovery_marks.setdefault("failure_seen", time.time())
         if result.is_failed() and any(f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
+            if self._stopped_for_newcomer(result):
+                _say("the workers stopped together with another node's, for a node joining: re-forming the group")
+                return RunResult(state=WorkerState.HEALTHY)  # the base class then sees the node waiting
             # The same idiom torchrun uses for workers stuck in the kernel: no restart.
             self._remaining_restarts = 0
         # While healthy the agent next asks the store whether nodes are waiting to join.
@@ -370,6 +373,23 @@ class _Agent(LocalElasticAgent):
         self.deadline = time.monotonic() + self.store_limit_s if healthy else None
         checked: RunResult = result
         return checked
+
+    def _stopped_for_newcomer(self, result: RunResult) -> bool:
+        """Whether the workers' exit 75 came from another agent's graceful stop for a node joining.
+
+        An agent that sees a node waiting stops its workers with SIGTERM; they agree to stop with
+        every other rank, so the workers here exit 75 too, possibly before this agent has seen the
+        newcomer itself. That is a membership change, not a preemption: re-form the group. (A real
+        preemption signals this launcher as well, which ends it before its workers are checked.)
+        The newcomer stays in the wait list until every old participant, this node included, has
+        left the round, so the check cannot miss it.
+        """
+        if any(f.exitcode != EXIT_PREEMPTED for f in result.failures.values()):
+            return False
+        try:
+            return self._worker_group.spec.rdzv_handler.num_nodes_waiting() > 0
+        except Exception:  # noqa: BLE001 - the rendezvous being unreachable is for the stall guard
+            return False
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.recovery_marks.setdefault("failure_seen", time.time())  # or a node waiting to join
