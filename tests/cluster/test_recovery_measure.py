@@ -26,6 +26,7 @@ ROUNDS = int(os.environ.get("DDPTRAIN_RECOVERY_ROUNDS", "3"))
 
 
 def _one(tmp: Path, worker_start: str) -> dict[str, Any]:
+    tmp.mkdir(parents=True)
     cluster = Cluster(2)
     try:
         job = Job(cluster, tmp, launch=["--worker-start", worker_start], train=[SLOW])
