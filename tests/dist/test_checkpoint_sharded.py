@@ -1,0 +1,37 @@
+"""The sharded checkpoint writer across processes: 2 ranks save their shares, 1 or 2 ranks resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import TESTS_DIR, env_for_subprocess
+
+pytestmark = pytest.mark.dist
+
+
+def worker(nproc: int, mode: str, run_dir: Path) -> None:
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launch, str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env_for_subprocess())
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_save_their_shares_and_any_world_size_resumes_identically(tmp_path: Path) -> None:
+    worker(2, "save", tmp_path)  # saves, then resumes at world size 2 through a new Checkpointer
+    folder = tmp_path / "checkpoints" / "step-00000001"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["writer"] == "sharded" and manifest["world_size"] == 2
+    parts = [manifest["files"][f"tensors-{r}-of-2.bin"]["size"] for r in range(2)]
+    assert min(parts) > 0.4 * sum(parts)  # each rank wrote about half of the tensors' bytes
+    worker(1, "load", tmp_path)
+    for world in (1, 2):
+        for rank in range(world):
+            loaded = json.loads((tmp_path / f"loaded-{world}-rank{rank}.json").read_text())
+            assert loaded["equal"] and loaded["writer"] == "sharded" and loaded["saved_world"] == 2
+            assert loaded["rng"] == ({"rank": rank} if world == 2 else None)  # RNG only at the saved world size
