@@ -90,13 +90,13 @@ def test_on_error_continue_on_a_full_disk_never_loses_the_final_state_quietly(ti
 def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert run_ddptrain(["train", *tiny_args]).returncode == 0
-    newest = run_dir / "checkpoints" / "step-00000006" / "tensors-0-of-1.bin"  # the one rank's share of the tensors
+    newest = run_dir / "checkpoints" / "step-00000006" / "tensors-0-of-2.bin"  # one of its two parts
     data = bytearray(newest.read_bytes())
     data[1000] ^= 0x10
     newest.write_bytes(bytes(data))
     again = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
     assert again.returncode == 0, again.stderr
-    assert "checkpoint rejected: step-00000006: file tensors-0-of-1.bin does not match its SHA-256" in again.stdout
+    assert "checkpoint rejected: step-00000006: file tensors-0-of-2.bin does not match its SHA-256" in again.stdout
     assert "resuming from" in again.stdout and "step-00000003 (step 3" in again.stdout
 
     for folder in (run_dir / "checkpoints").glob("step-*"):

@@ -27,8 +27,8 @@ def test_two_ranks_save_their_shares_and_any_world_size_resumes_identically(tmp_
     folder = tmp_path / "checkpoints" / "step-00000001"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["writer"] == "sharded" and manifest["world_size"] == 2
-    parts = [manifest["files"][f"tensors-{r}-of-2.bin"]["size"] for r in range(2)]
-    assert min(parts) > 0.4 * sum(parts)  # each rank wrote about half of the tensors' bytes
+    per_rank = [sum(manifest["files"][f"tensors-{p}-of-4.bin"]["size"] for p in (2 * r, 2 * r + 1)) for r in range(2)]
+    assert min(per_rank) > 0.4 * sum(per_rank)  # each rank wrote about half of the tensors' bytes (two files each)
     worker(1, "load", tmp_path)
     for world in (1, 2):
         for rank in range(world):

@@ -81,7 +81,7 @@ def assert_same(a: Any, b: Any) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_any_world_size_reads_any_partition(tmp_path: Path, world: int) -> None:
     ckpt = save_as_ranks(tmp_path / "step-00000001", world, seed=4)
-    assert {part_name(r, world) for r in range(world)} <= set(ckpt.manifest.files)
+    assert {part_name(p, 2 * world) for p in range(2 * world)} <= set(ckpt.manifest.files)  # two parts a rank
     for reader_world in (1, 2, 5):
         shared, local = ShardedWriter().read(ckpt, 0, reader_world)
         assert_same(shared, shared_state(4))
@@ -114,25 +114,25 @@ def flip_byte(folder: Path, name: str, offset: int) -> None:
 def test_a_flipped_byte_in_one_ranks_part_is_rejected(tmp_path: Path) -> None:
     folder = tmp_path / "step-00000001"
     save_as_ranks(folder, 2, seed=1)
-    flip_byte(folder, part_name(1, 2), (folder / part_name(1, 2)).stat().st_size - 3)  # in a tensor's bytes
-    with pytest.raises(CheckpointError, match=r"tensors-1-of-2.bin does not match its SHA-256"):
+    flip_byte(folder, part_name(3, 4), (folder / part_name(3, 4)).stat().st_size - 3)  # rank 1's, in a tensor
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
         verify_checkpoint(folder)
-    flip_byte(folder, part_name(1, 2), 1)  # now also in the magic: still reported as corruption, not a parse error
-    with pytest.raises(CheckpointError, match=r"tensors-1-of-2.bin does not match its SHA-256"):
+    flip_byte(folder, part_name(3, 4), 1)  # now also in the magic: still reported as corruption, not a parse error
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
         verify_checkpoint(folder)
 
 
 def test_a_missing_part_is_rejected(tmp_path: Path) -> None:
     folder = tmp_path / "step-00000001"
     save_as_ranks(folder, 2, seed=1)
-    (folder / part_name(0, 2)).unlink()
-    with pytest.raises(CheckpointError, match=r"step-00000001: file tensors-0-of-2.bin is missing"):
+    (folder / part_name(0, 4)).unlink()
+    with pytest.raises(CheckpointError, match=r"step-00000001: file tensors-0-of-4.bin is missing"):
         verify_checkpoint(folder)
     fields = json.loads((folder / "manifest.json").read_text())
-    del fields["files"][part_name(0, 2)]
+    del fields["files"][part_name(0, 4)]
     fields["checksum"] = manifest_checksum(fields)
     (folder / "manifest.json").write_text(json.dumps(fields))
-    with pytest.raises(CheckpointError, match=r"does not list tensors-0-of-2.bin"):
+    with pytest.raises(CheckpointError, match=r"does not list tensors-0-of-4.bin"):
         verify_checkpoint(folder)
 
 
@@ -140,10 +140,10 @@ def test_a_part_from_another_checkpoint_is_rejected(tmp_path: Path) -> None:
     mine, other = tmp_path / "step-00000001", tmp_path / "step-00000002"
     save_as_ranks(mine, 2, seed=1, step=1)
     save_as_ranks(other, 2, seed=2, step=2)  # same shapes, so the same sizes: only the hash tells them apart
-    assert (mine / part_name(1, 2)).stat().st_size == (other / part_name(1, 2)).stat().st_size
-    (mine / part_name(1, 2)).unlink()
-    shutil.copy(other / part_name(1, 2), mine / part_name(1, 2))
-    with pytest.raises(CheckpointError, match=r"tensors-1-of-2.bin does not match its SHA-256"):
+    assert (mine / part_name(3, 4)).stat().st_size == (other / part_name(3, 4)).stat().st_size
+    (mine / part_name(3, 4)).unlink()
+    shutil.copy(other / part_name(3, 4), mine / part_name(3, 4))
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
         verify_checkpoint(mine)
 
 
@@ -152,10 +152,10 @@ def test_a_swapped_part_after_verification_never_reaches_another_ranks_state(tmp
     ckpt = save_as_ranks(mine, 2, seed=1, step=1)
     save_as_ranks(other, 2, seed=2, step=2)
     named_only = VerifiedCheckpoint(mine, ckpt.manifest)  # another rank receives path + manifest from rank 0
-    (mine / part_name(0, 2)).unlink()
-    shutil.copy(other / part_name(0, 2), mine / part_name(0, 2))
+    (mine / part_name(0, 4)).unlink()
+    shutil.copy(other / part_name(0, 4), mine / part_name(0, 4))
     assert_same(ckpt.state("model"), shared_state(1)["model"])  # rank 0 holds what it verified
-    with pytest.raises(CheckpointError, match="changed after it was verified.*tensors-0-of-2.bin does not match"):
+    with pytest.raises(CheckpointError, match="changed after it was verified.*tensors-0-of-4.bin does not match"):
         ShardedWriter().read(named_only, 1, 2)
 
 
@@ -163,7 +163,7 @@ def test_a_consistent_but_wrong_part_header_is_refused_without_allocating(tmp_pa
     folder = tmp_path / "step-00000001"
     ckpt = save_as_ranks(folder, 1, seed=1)
     # A part re-hashed into a new manifest (a bug, not corruption): its header claims a huge tensor.
-    name = part_name(0, 1)
+    name = part_name(0, 2)
     data = (folder / name).read_bytes()
     n = int.from_bytes(data[8:16], "little")
     header = json.loads(data[16 : 16 + n])
@@ -174,6 +174,6 @@ def test_a_consistent_but_wrong_part_header_is_refused_without_allocating(tmp_pa
     files[name] = FileEntry(hashlib.sha256((folder / name).read_bytes()).hexdigest(), (folder / name).stat().st_size)
     m = ckpt.manifest
     (folder / "manifest.json").write_bytes(Manifest(m.step, 1, m.timeline, m.writer, 0.0, files, {}, {}).to_bytes())
-    with pytest.raises(CheckpointError, match=r"tensors-0-of-1.bin cannot be loaded .*the header describes"):
+    with pytest.raises(CheckpointError, match=r"tensors-0-of-2.bin cannot be loaded .*the header describes"):
         verify_checkpoint(folder)
     assert STRUCTURE in ckpt.manifest.files

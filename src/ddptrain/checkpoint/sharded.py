@@ -1,16 +1,16 @@
 """The `sharded` checkpoint format: every rank writes and hashes its share of the tensors.
 
 DDP keeps the model and optimizer identical on every rank, so the W ranks split the work: the
-dense tensors of the shared state, in traversal order, are partitioned by size (greedy, largest
-first: partition()) and rank r writes part r; rank 0 also writes the structure, the state with
-every partitioned tensor replaced by a slot. Files:
+dense tensors of the shared state, in traversal order, are partitioned by size into P = 2W parts
+(greedy, largest first: partition()) and rank r writes parts 2r and 2r+1; rank 0 also writes the
+structure, the state with every partitioned tensor replaced by a slot. Files:
 
     structure.pt              rank 0: torch.save of {tree, slots [(path, id)], count}
-    tensors-<r>-of-<W>.bin    rank r: its tensors' raw bytes behind a JSON header (below)
+    tensors-<p>-of-<P>.bin    rank p // 2: its tensors' raw bytes behind a JSON header (below)
     rng-rank<r>.pt            rank r: its own RNG streams (as in rank0-torch)
 
 A part is b"DDPTPART", the header's length (8 bytes, little-endian), the header
-{"part": r, "parts": W, "tensors": [[id, dtype, shape], ...]} and then each tensor's bytes in
+{"part": p, "parts": P, "tensors": [[id, dtype, shape], ...]} and then each tensor's bytes in
 that order. Reading allocates every tensor and reads its bytes straight into it while they are
 hashed, so a load is one read of each file; a header's sizes must add up to the file's size
 before anything is allocated. Any world size reads any partition: every rank reads every part.
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
 
 STRUCTURE = "structure.pt"
+# Each rank writes its share as two files, a thread each: while one thread hashes, the other
+# copies or waits for fsync, and a load hashes them on two threads too (hashlib releases the GIL).
+PARTS_PER_RANK = 2
 MAGIC = b"DDPTPART"
 _MAX_HEADER = 64 << 20
 _DTYPES = {
@@ -70,6 +73,15 @@ Path_ = tuple[Any, ...]
 def part_name(part: int, parts: int) -> str:
     """The file of part `part` of `parts`."""
     return f"tensors-{part}-of-{parts}.bin"
+
+
+def _parts(world_size: int) -> int:
+    return world_size * PARTS_PER_RANK
+
+
+def _my_parts(rank: int) -> range:
+    """Rank r writes parts r*K ... r*K+K-1 (K = PARTS_PER_RANK)."""
+    return range(rank * PARTS_PER_RANK, (rank + 1) * PARTS_PER_RANK)
 
 
 def partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -152,7 +164,9 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     n = _nbytes(t)
     if n == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+    array = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    array.tensor = t  # type: ignore[attr-defined]  # the view keeps the tensor's memory alive
+    return memoryview(array).cast("B")
 
 
 def _write_part(out: IO[bytes], part: int, parts: int, tensors: list[tuple[int, torch.Tensor]]) -> None:
@@ -198,7 +212,7 @@ class ShardedWriter:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """CPU copies of this rank's part only; the other tensors become meta tensors (shape and dtype, no data)."""
         tree, tensors, slots = split(shared)
-        mine = set(partition([_nbytes(t) for t in tensors], world_size)[rank])
+        mine = {i for p in _my_parts(rank) for i in partition([_nbytes(t) for t in tensors], _parts(world_size))[p]}
         kept = {
             i: t.detach().to("cpu", copy=True) if i in mine else torch.empty(t.shape, dtype=t.dtype, device="meta")
             for i, t in enumerate(tensors)
@@ -208,26 +222,28 @@ class ShardedWriter:
     def write(
         self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
     ) -> dict[str, FileEntry]:
-        """This rank's part (in its own thread), the structure on rank 0, and this rank's local files."""
+        """This rank's parts (a thread each), the structure on rank 0, and this rank's local files."""
         tree, tensors, slots = split(shared)
-        mine = partition([_nbytes(t) for t in tensors], world_size)[rank]
+        split_ids = partition([_nbytes(t) for t in tensors], _parts(world_size))
         items = local_files(rank, local)
         if rank == 0:
             items[STRUCTURE] = {"tree": tree, "slots": slots, "count": len(tensors)}
-        name = part_name(rank, world_size)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            part = pool.submit(
-                write_stream,
-                folder / name,
-                lambda out: _write_part(out, rank, world_size, [(i, tensors[i]) for i in mine]),
-            )
+
+        def write_part(p: int) -> FileEntry:
+            chosen = [(i, tensors[i]) for i in split_ids[p]]
+            parts = _parts(world_size)
+            return write_stream(folder / part_name(p, parts), lambda out: _write_part(out, p, parts, chosen))
+
+        with ThreadPoolExecutor(max_workers=PARTS_PER_RANK) as pool:
+            parts = {part_name(p, _parts(world_size)): pool.submit(write_part, p) for p in _my_parts(rank)}
             entries = write_all(folder, items)
-            entries[name] = part.result()
+            entries.update({name: f.result() for name, f in parts.items()})
         return entries
 
     def required(self, world_size: int) -> set[str]:
         """The structure, one part per saved rank and one rng file per saved rank."""
-        return {STRUCTURE} | {part_name(r, world_size) for r in range(world_size)} | local_required(world_size)
+        parts = _parts(world_size)
+        return {STRUCTURE} | {part_name(p, parts) for p in range(parts)} | local_required(world_size)
 
     def decode(self, name: str, reader: HashingReader) -> Any:
         """A part's tensors, read straight into their memory; any other file's bytes (torch.load runs once verified)."""
@@ -239,16 +255,16 @@ class ShardedWriter:
         """The shared state: the structure with every part's tensors in their slots, each id exactly once."""
         where = ckpt.path.name
         structure = ckpt.load(STRUCTURE)
-        parts = ckpt.manifest.world_size
+        parts = _parts(ckpt.manifest.world_size)
         tensors: dict[int, torch.Tensor] = {}
-        for r in range(parts):
-            part = ckpt.content(part_name(r, parts))
-            if (part["part"], part["parts"]) != (r, parts):
+        for p in range(parts):
+            part = ckpt.content(part_name(p, parts))
+            if (part["part"], part["parts"]) != (p, parts):
                 raise CheckpointError(
-                    f"{where}: {part_name(r, parts)} says it is part {part['part']} of {part['parts']}"
+                    f"{where}: {part_name(p, parts)} says it is part {part['part']} of {part['parts']}"
                 )
             if tensors.keys() & part["tensors"].keys():
-                raise CheckpointError(f"{where}: {part_name(r, parts)} repeats a tensor of another part")
+                raise CheckpointError(f"{where}: {part_name(p, parts)} repeats a tensor of another part")
             tensors.update(part["tensors"])
         count, slots = structure["count"], dict(structure["slots"])
         if set(tensors) != set(range(count)) or sorted(slots.values()) != list(range(count)):
@@ -258,11 +274,17 @@ class ShardedWriter:
 
     def read_shared(self, ckpt: VerifiedCheckpoint, key: str) -> Any:
         """One shared object, assembled from the structure and every part."""
-        return self._assemble(ckpt)[key]
+        return _pick(ckpt, self._assemble(ckpt), key)
 
     def read(
         self, ckpt: VerifiedCheckpoint, rank: int, world_size: int
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The whole shared state (from every part, whatever world size saved it); local as rank0-torch."""
         state = self._assemble(ckpt)
-        return {k: state[k] for k in SHARED_KEYS}, read_local(ckpt, rank, world_size)
+        return {k: _pick(ckpt, state, k) for k in SHARED_KEYS}, read_local(ckpt, rank, world_size)
+
+
+def _pick(ckpt: VerifiedCheckpoint, state: dict[str, Any], key: str) -> Any:
+    if key not in state:
+        raise CheckpointError(f"{ckpt.path.name}: its {STRUCTURE} holds no {key!r} state")
+    return state[key]
