@@ -23,7 +23,7 @@ from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 1 << 40), max_size=60), st.integers(1, 16))
 def test_partition_puts_every_tensor_in_exactly_one_part_deterministically(sizes: list[int], parts: int) -> None:
     split = partition(sizes, parts)

@@ -212,7 +212,8 @@ class ShardedWriter:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """CPU copies of this rank's part only; the other tensors become meta tensors (shape and dtype, no data)."""
         tree, tensors, slots = split(shared)
-        mine = {i for p in _my_parts(rank) for i in partition([_nbytes(t) for t in tensors], _parts(world_size))[p]}
+        split_ids = partition([_nbytes(t) for t in tensors], _parts(world_size))
+        mine = {i for p in _my_parts(rank) for i in split_ids[p]}
         kept = {
             i: t.detach().to("cpu", copy=True) if i in mine else torch.empty(t.shape, dtype=t.dtype, device="meta")
             for i, t in enumerate(tensors)
