@@ -1,7 +1,9 @@
 """Save with the sharded writer, or resume from it, under torchrun (or alone, world size 1).
 
 save RUN_DIR: a tiny GPT and AdamW after one step, saved asynchronously (each rank snapshots and
-writes its share); rank 0 keeps the parameters in RUN_DIR/reference.pt; then it loads as below.
+writes its share) as step 1; rank 0 keeps that state in RUN_DIR/reference.pt. Another state is
+saved as step 2, and one byte of one of rank 1's parts of it is flipped. Then it loads as below:
+step 2 must be rejected and every rank must get step 1.
 load RUN_DIR: a differently seeded model and optimizer resume from the newest checkpoint; rank r
 writes RUN_DIR/loaded-<world>-rank<r>.json: whether every parameter and optimizer tensor equals
 the saved one, the manifest's writer and world size, and whether this rank got its RNG state back.
@@ -36,19 +38,23 @@ def main() -> None:
     mode, run_dir = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed(DistConfig(timeout_s=30))
     if mode == "save":
-        ckpt = Checkpointer(CkptConfig(async_save=True), run_dir, ctx, {"note": "shard"})
+        ckpt = Checkpointer(CkptConfig(async_save=True, keep=3), run_dir, ctx, {"note": "shard"})
         ckpt.setup()
-        model, opt = trained(seed=1)
-        ckpt.save(
-            1,
-            {"model": model.state_dict(), "optimizer": opt.state_dict(), "trainer": {"step": 1}},
-            {"rng": {"rank": ctx.rank}},
-        )
-        ckpt.wait()
-        (result,) = ckpt.finished()
-        assert result.ok, result.error
-        if ctx.is_main:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, run_dir / "reference.pt")
+        for step, seed in ((1, 1), (2, 3)):
+            model, opt = trained(seed)
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "trainer": {"step": step}}
+            ckpt.save(step, state, {"rng": {"rank": ctx.rank}})
+            ckpt.wait()
+            (result,) = ckpt.finished()
+            assert result.ok, result.error
+            if ctx.is_main and step == 1:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, run_dir / "reference.pt")
+        if ctx.rank == 1:  # corrupt rank 1's own share of step 2, after the commit
+            part = run_dir / "checkpoints" / "step-00000002" / "tensors-3-of-4.bin"
+            data = bytearray(part.read_bytes())
+            data[-5] ^= 0x04
+            part.write_bytes(bytes(data))
+        torch.distributed.barrier()
     load(ctx, run_dir)  # a new Checkpointer, as a restarted run builds
     close_distributed(ctx)
 

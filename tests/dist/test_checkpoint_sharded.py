@@ -14,16 +14,21 @@ from helpers import TESTS_DIR, env_for_subprocess
 pytestmark = pytest.mark.dist
 
 
-def worker(nproc: int, mode: str, run_dir: Path) -> None:
+def worker(nproc: int, mode: str, run_dir: Path) -> str:
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     cmd = [sys.executable, *launch, str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env_for_subprocess())
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_save_their_shares_and_any_world_size_resumes_identically(tmp_path: Path) -> None:
-    worker(2, "save", tmp_path)  # saves, then resumes at world size 2 through a new Checkpointer
+def test_two_ranks_save_their_shares_and_any_world_size_resumes_identically_past_a_corrupt_part(
+    tmp_path: Path,
+) -> None:
+    # Saves steps 1 and 2, flips a byte of rank 1's part of step 2, resumes at world size 2.
+    out = worker(2, "save", tmp_path)
+    assert "checkpoint rejected: step-00000002: file tensors-3-of-4.bin does not match its SHA-256" in out
     folder = tmp_path / "checkpoints" / "step-00000001"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["writer"] == "sharded" and manifest["world_size"] == 2
