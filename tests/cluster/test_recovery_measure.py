@@ -20,7 +20,7 @@ import pytest
 from netns import Cluster
 from test_multinode_faults import SLOW, Job, namespaces_ok  # noqa: F401  (a fixture)
 
-pytestmark = [pytest.mark.cluster, pytest.mark.measure]
+pytestmark = pytest.mark.cluster
 
 ROUNDS = int(os.environ.get("DDPTRAIN_RECOVERY_ROUNDS", "3"))
 
@@ -43,6 +43,7 @@ def _one(tmp: Path, worker_start: str) -> dict[str, Any]:
         cluster.close()
 
 
+@pytest.mark.measure
 @pytest.mark.timeout(1800)
 def test_preloaded_workers_recover_faster_than_execd(namespaces_ok: None, tmp_path: Path) -> None:  # noqa: F811
     results: dict[str, list[dict[str, Any]]] = {"exec": [], "preloaded": []}
