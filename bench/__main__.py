@@ -21,7 +21,18 @@ from typing import Any
 
 from bench.common import REPO, Options, Row, fix_threads, markdown_table
 
-FIGURES = ["overhead", "scaling", "peers", "allreduce", "overlap", "checkpoint", "data", "tracking", "prepare"]
+FIGURES = [
+    "overhead",
+    "scaling",
+    "peers",
+    "allreduce",
+    "overlap",
+    "checkpoint",
+    "checkpoint_ranks",
+    "data",
+    "tracking",
+    "prepare",
+]
 
 
 def _figures(names: list[str]) -> list[tuple[str, Callable[[Options], tuple[list[Row], dict[str, Any]]]]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -104,7 +105,8 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
 def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """Model weights of the newest committed checkpoint."""
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
-    return torch.load(ckpts[-1] / "model.pt", weights_only=True)
+    state: dict[str, torch.Tensor] = verify_checkpoint(ckpts[-1]).state("model")
+    return state
 
 
 def make_trainer(corpus: Path, run_dir: Path, overrides: list[str]) -> Any:

@@ -92,7 +92,7 @@ def _model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[
     """The config a checkpoint was saved with (plus overrides) and its model, weights loaded, in eval mode."""
     cfg = config_from_mapping(ckpt.manifest.config, list(overrides))
     model = build_model(cfg.model)
-    model.load_state_dict(ckpt.load("model.pt"))
+    model.load_state_dict(ckpt.state("model"))
     return cfg, model.eval()
 
 

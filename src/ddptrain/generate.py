@@ -27,7 +27,7 @@ def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, Path, int]:
     if model_cfg.target is not None or model_cfg.hf is not None:
         raise ConfigError(f"{path.name} holds a user or transformers model; generate works with the built-in GPT only")
     model = GPT(model_cfg)
-    model.load_state_dict(ckpt.load("model.pt"))
+    model.load_state_dict(ckpt.state("model"))
     return model.to(device).eval(), path, ckpt.step
 
 

@@ -303,8 +303,18 @@ def test_node_lost_then_back_elastic(cluster: Cluster, tmp_path: Path) -> None:
     assert job.wait(200) == {"node1": 0, "node2": 0}, job.output()
     last = job.records("train")[-1]
     assert (last["step"], last["world_size"], last["grad_accum"]) == (80, 2, 1)
-    measured("non-host node killed (--nnodes 1:2)", survivor_training_alone=alone)
-    measured("killed node started again", training_at_world_size_2=together)
+    alone_timeline, together_timeline = job.events("recovery")
+    assert alone_timeline["since"] == together_timeline["since"] == "failure_seen"
+    measured(
+        "non-host node killed (--nnodes 1:2)",
+        survivor_training_alone=alone,
+        **{n.replace(" ", "_"): s for n, s in alone_timeline["phases"]},
+    )
+    measured(
+        "killed node started again",
+        training_at_world_size_2=together,
+        **{n.replace(" ", "_"): s for n, s in together_timeline["phases"]},
+    )
 
 
 @pytest.mark.timeout(240)

@@ -29,7 +29,7 @@ def test_one_rank_failing_to_write_commits_nothing_and_keeps_the_old(tiny_args: 
     run_dir = tmp_path / "run"
     first = run_ddptrain(["train", *tiny_args, "train.max_steps=3"], nproc=2)
     assert first.returncode == 0, first.stderr
-    # 50 KB per file: rank 1's RNG file fits, rank 0's model and optimizer files do not (EFBIG).
+    # 50 KB per file: the RNG files fit, each rank's share of the tensors does not (EFBIG).
     failed = run_ddptrain(["train", *tiny_args], nproc=2, max_file_bytes=50_000)
     assert failed.returncode != 0
     assert "checkpoint at step 6 was not committed: rank 0" in failed.stdout
@@ -90,13 +90,13 @@ def test_on_error_continue_on_a_full_disk_never_loses_the_final_state_quietly(ti
 def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert run_ddptrain(["train", *tiny_args]).returncode == 0
-    newest = run_dir / "checkpoints" / "step-00000006" / "optimizer.pt"
+    newest = run_dir / "checkpoints" / "step-00000006" / "tensors-0-of-2.bin"  # one of its two parts
     data = bytearray(newest.read_bytes())
     data[1000] ^= 0x10
     newest.write_bytes(bytes(data))
     again = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
     assert again.returncode == 0, again.stderr
-    assert "checkpoint rejected: step-00000006: file optimizer.pt does not match its SHA-256" in again.stdout
+    assert "checkpoint rejected: step-00000006: file tensors-0-of-2.bin does not match its SHA-256" in again.stdout
     assert "resuming from" in again.stdout and "step-00000003 (step 3" in again.stdout
 
     for folder in (run_dir / "checkpoints").glob("step-*"):
@@ -118,7 +118,7 @@ def test_export_to_safetensors_loads_without_the_trainer(tiny_args: list[str], t
     assert meta["step"] == 3
     model = GPT(ModelConfig(**meta["model"]))
     model.load_state_dict(load_safetensors(str(out)))
-    reference = torch.load(run_dir / "checkpoints" / "step-00000003" / "model.pt", weights_only=True)
+    reference = verify_checkpoint(run_dir / "checkpoints" / "step-00000003").state("model")
     for name, value in model.state_dict().items():
         assert torch.equal(value, reference[name]), name
     shutil.rmtree(run_dir / "checkpoints")

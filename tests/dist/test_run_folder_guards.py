@@ -156,7 +156,7 @@ def escaping_name(name: str):  # type: ignore[no-untyped-def]
     ("mutate", "reason"),
     [
         (flip_world_size, "does not match its own checksum"),
-        (files_emptied, "does not list model.pt"),
+        (files_emptied, "does not list rng-rank0.pt, structure.pt, tensors-0-of-2.bin, tensors-1-of-2.bin"),
         (invalid_utf8, "not valid UTF-8"),
         (escaping_name("../../../../etc/passwd"), "not a plain file name"),
         (escaping_name("/etc/passwd"), "not a plain file name"),

@@ -11,13 +11,18 @@ import torch
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
 from ddptrain.checkpoint.manifest import manifest_checksum
+from ddptrain.checkpoint.verify import VerifiedCheckpoint
+from ddptrain.checkpoint.writer import RankZeroTorchWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
 
 
 def make(run_dir: Path, **cfg: object) -> Checkpointer:
-    checkpointer = Checkpointer(CkptConfig(**cfg), run_dir, DistContext(), {"note": "test"})
+    # These tests pin the single-writer format: it must go on loading (the sharded one: test_checkpoint_sharded.py).
+    checkpointer = Checkpointer(
+        CkptConfig(**cfg), run_dir, DistContext(), {"note": "test"}, writer=RankZeroTorchWriter()
+    )
     checkpointer.setup()
     return checkpointer
 
@@ -160,9 +165,12 @@ def test_load_refuses_unlisted_files_and_bytes_changed_after_verification(tmp_pa
     torch.save({"evil": 1}, folder / "extra.pt")
     with pytest.raises(CheckpointError, match="not listed"):
         ckpt.load("extra.pt")
+    named_only = VerifiedCheckpoint(folder, ckpt.manifest)  # what another rank receives: it reads the files itself
     corrupt_flip_one_bit(folder)
-    with pytest.raises(CheckpointError, match="changed after it was verified"):
-        ckpt.load("model.pt")
+    # The verified checkpoint holds the bytes it verified: a later change cannot reach the state.
+    assert torch.equal(ckpt.load("model.pt")["w"], state(3)[0]["model"]["w"])
+    with pytest.raises(CheckpointError, match="changed after it was verified.*model.pt does not match its SHA-256"):
+        named_only.load("model.pt")
 
 
 def test_all_bad_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
 from ddptrain.checkpoint.manifest import manifest_checksum
+from ddptrain.checkpoint.writer import RankZeroTorchWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
@@ -39,7 +40,7 @@ def state(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def checkpointer(run_dir: Path, **cfg: Any) -> Checkpointer:
-    c = Checkpointer(CkptConfig(**cfg), run_dir, DistContext(), {"note": "property"})
+    c = Checkpointer(CkptConfig(**cfg), run_dir, DistContext(), {"note": "property"}, writer=RankZeroTorchWriter())
     c.setup()
     return c
 

@@ -40,6 +40,16 @@ RECORDS = [
     _train(6, 6.5, 2),  # after the checkpoint the next attempt resumes from: re-done, dropped
     # the process died here (no stop record)
     {"kind": "event", "time": 10.0, "event": "resume", "step": 4, "world_size": 1},
+    {
+        "kind": "event",
+        "time": 11.0,
+        "event": "recovery",
+        "step": 5,
+        "restart_count": 1,
+        "since": "failure_seen",
+        "total_s": 4.0,
+        "phases": [["stop", 0.5], ["rendezvous", 1.5], ["import", 1.0], ["first step", 1.0]],
+    },
     _train(6, 12.0, 1, skipped_steps=1),
     {"kind": "event", "time": 12.5, "event": "checkpoint_failed", "step": 6, "error": "disk full"},
     _train(8, 14.5, 1),
@@ -65,6 +75,7 @@ def test_abandoned_records_are_cut_and_time_is_accounted(run_dir: Path) -> None:
         ("crashed", 6, 6.5),
         ("resume", 4, 10.0),
         ("world size", 4, 10.0),
+        ("recovery", 5, 11.0),
         ("skipped steps", 6, 12.0),
         ("save failed", 6, 12.5),
         ("preempted", 8, 15.0),
@@ -92,7 +103,11 @@ def test_summary_lists_segments_goodput_and_events(run_dir: Path, capsys: pytest
         "restarts (down time) 8.5 s; checkpoint blocking 0.5 s; other (eval, logging, start-up) 1.0 s "
         "(2 steps re-done)"
     ) in out
-    assert "events: 7" in out
+    assert "events: 8" in out
+    assert (
+        "step      5  recovery: 4.00 s from failure_seen to the first step: stop 0.50, rendezvous 1.50, "
+        "import 1.00, first step 1.00"
+    ) in out
     assert "00:00:15 UTC (+15 s)  step      8  preempted: preempted by SIGTERM, checkpoint committed at step 8" in out
     assert "step      4  world size: world size 2 -> 1" in out
     assert "step      6  crashed: attempt 1 ended without a stop record (last record at step 6)" in out

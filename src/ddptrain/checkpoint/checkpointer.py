@@ -1,19 +1,24 @@
 """Transactional checkpoints: a folder is either fully committed and verified, or never loaded.
 
-Layout of one checkpoint, `run.dir/checkpoints/step-00000100/` (files by the writer, writer.py):
+Layout of one checkpoint, `run.dir/checkpoints/step-00000100/` (files by the writer, writer.py;
+the default, sharded.py):
 
-    model.pt  optimizer.pt  trainer.pt     written by rank 0 (DDP keeps them identical on all ranks)
+    structure.pt                           written by rank 0: the state without its tensors
+    tensors-<r>-of-<W>.bin                 written by rank r: its share of the tensors (DDP keeps
+                                           the state identical on all ranks, so each writes 1/W)
     rng-rank0.pt ... rng-rank{W-1}.pt      written by each rank (its own RNG streams)
     manifest.json                          every file's SHA-256 and size, step, world size, timeline,
-                                           config, identity, and its own checksum (manifest.py)
+                                           writer, config, identity, and its own checksum (manifest.py)
+
+Checkpoints of the older `rank0-torch` writer (model.pt, optimizer.pt, trainer.pt by rank 0) load too.
 
 The protocol: every rank writes its files as new files under a new `.tmp-step-00000100/` (never
 through an existing name or link) and fsyncs them; the ranks agree (one all-gather) whether every
 write succeeded; only then rank 0 writes the manifest, fsyncs the folder, renames it to
 `step-00000100` (atomic on POSIX) and fsyncs the parent. A crash at any point leaves either the
 old set of committed checkpoints or the new one. Pruning follows a commit and touches only the
-current timeline (store.py). Resume verifies (verify.py), checks the config (compat.py), and
-moves checkpoints newer than its starting point into checkpoints/archive/.
+current timeline (store.py). Resume verifies and reads in one pass (verify.py), checks the config
+(compat.py), and moves checkpoints newer than its starting point into checkpoints/archive/.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
@@ -38,22 +42,11 @@ from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manife
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
-from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter, RankZeroTorchWriter
+from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
 from ddptrain.safe_files import refuse_symlink
-
-
-def _to_cpu(obj: Any) -> Any:
-    """A deep copy with every tensor on the CPU: the snapshot an async save writes from."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 @dataclass
@@ -85,7 +78,7 @@ class Checkpointer:
         self.ctx = ctx
         self.config = config
         self.identity = identity or {}
-        self.writer: CheckpointWriter = writer or RankZeroTorchWriter()
+        self.writer: CheckpointWriter = writer or WRITERS[DEFAULT_WRITER]
         self.policy = SavePolicy(cfg)
         self.timeline = uuid.uuid4().hex  # replaced by the resumed checkpoint's (find_resume)
         self._thread: threading.Thread | None = None
@@ -118,7 +111,7 @@ class Checkpointer:
     # ---- saving -------------------------------------------------------------------------
 
     def save(self, step: int, shared: dict[str, Any], local: dict[str, Any]) -> None:
-        """Checkpoint `step`. shared: rank-0 objects (one file each); local: this rank's objects.
+        """Checkpoint `step`. shared: the state identical on every rank (each writes its share); local: this rank's.
 
         A synchronous save is committed (or failed) when this returns. An async save first waits
         for the previous one (a save never starts before the previous commit), snapshots the
@@ -132,7 +125,7 @@ class Checkpointer:
             self._done.append(result)
             return
         self.wait()
-        snapshot = (_to_cpu(shared) if self.ctx.is_main else {}, _to_cpu(local))
+        snapshot = self.writer.snapshot(self.ctx.rank, self.ctx.world_size, shared, local)
         blocked = time.perf_counter() - t0
 
         def work() -> None:
@@ -181,7 +174,7 @@ class Checkpointer:
         entries: dict[str, FileEntry] = {}
         try:
             self._make_tmp(tmp)
-            entries = self.writer.write(tmp, self.ctx.rank, shared if self.ctx.is_main else {}, local)
+            entries = self.writer.write(tmp, self.ctx.rank, self.ctx.world_size, shared, local)
         except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
             error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
@@ -241,6 +234,8 @@ class Checkpointer:
         Rank 0 decides and every rank receives its decision, so all ranks load the same one.
         """
         decision: tuple[Any, ...] = (None, None, [], self.timeline, None)
+        found: ResumePoint | None = None
+        ahead: VerifiedCheckpoint | None = None
         if self.ctx.is_main:
             try:
                 found = self._choose(warn)
@@ -251,6 +246,8 @@ class Checkpointer:
                 )
             except CheckpointError as e:
                 decision = (None, None, [], self.timeline, str(e))
+        else:
+            ahead = self._read_ahead()
         if self.ctx.is_distributed:
             box = [decision]
             dist.broadcast_object_list(box, src=0)
@@ -261,14 +258,34 @@ class Checkpointer:
         if path is None:
             return None
         self.policy.newest_committed = manifest.step
+        if found is not None:  # rank 0 read every file while verifying: its contents are kept
+            return found
+        if ahead is not None and str(ahead.path) == path and ahead.manifest == manifest:
+            return ResumePoint(ahead, changes)  # this rank's own verified read of rank 0's choice
         return ResumePoint(VerifiedCheckpoint(Path(path), manifest), changes)
+
+    def _read_ahead(self) -> VerifiedCheckpoint | None:
+        """Ranks but 0, while rank 0 chooses: verify and read the newest checkpoint, which it usually picks.
+
+        Every rank reads the files itself (each byte it uses, it verified), so reading while rank 0
+        decides halves a resume's wait; the read is used only if it is the checkpoint rank 0 chose.
+        """
+        if self.cfg.resume != "auto" or self.dir.is_symlink():
+            return None
+        newest = committed_checkpoints(self.dir)[:1]
+        try:
+            return verify_checkpoint(newest[0]) if newest else None
+        except CheckpointError:
+            return None  # rank 0 falls back and says why; this rank then reads its choice
 
     def read(self, ckpt: VerifiedCheckpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(shared, local) state of this rank from a verified checkpoint; local None at a new world size."""
         writer = WRITERS.get(ckpt.manifest.writer)
         if writer is None:
             raise CheckpointError(f"{ckpt.path.name}: written by an unknown writer {ckpt.manifest.writer!r}")
-        return writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+        state = writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+        ckpt.release()  # the state now owns the tensors: a second read reads (and verifies) the files again
+        return state
 
     def _inside_own_folder(self, path: Path) -> bool:
         return path.parent.resolve() == self.dir.resolve()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +31,7 @@ class _HashingWriter:
         self.f, self.sha256, self.size = f, hashlib.sha256(), 0
         self.error: OSError | None = None
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         try:
             self.f.write(data)
         except OSError as e:
@@ -50,17 +51,26 @@ def write_durable(path: Path, obj: Any) -> FileEntry:
     The file must not exist yet, as anything, a symbolic link included: a save never writes
     through a name it did not create.
     """
+
+    def produce(out: IO[bytes]) -> None:
+        if isinstance(obj, bytes):
+            out.write(obj)
+        else:
+            torch.save(obj, out)
+
+    return write_stream(path, produce)
+
+
+def write_stream(path: Path, produce: Callable[[IO[bytes]], None]) -> FileEntry:
+    """A NEW file filled by produce(stream), hashed as it streams out and fsynced; its manifest entry."""
     with open_new_no_follow(path) as f:
         writer = _HashingWriter(f)
-        if isinstance(obj, bytes):
-            writer.write(obj)
-        else:
-            try:
-                torch.save(obj, writer)  # type: ignore[arg-type]
-            except RuntimeError:
-                if writer.error is not None:
-                    raise writer.error from None
-                raise
+        try:
+            produce(writer)  # type: ignore[arg-type]
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return FileEntry(writer.sha256.hexdigest(), writer.size)

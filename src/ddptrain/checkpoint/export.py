@@ -21,7 +21,7 @@ def export_model(run_dir: Path, out_path: Path, step: int | None, say: Callable[
 
     ckpt = select_checkpoint(run_dir, step, say)
     path, manifest = ckpt.path, ckpt.manifest
-    state = ckpt.load("model.pt")
+    state = ckpt.state("model")
     # safetensors stores no aliases: tied weights (wte / lm_head) become two plain copies.
     tensors = {k: v.detach().clone().contiguous() for k, v in state.items()}
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def prune(ckpt_dir: Path, timeline: str, newest_step: int, keep: int, known_good
     for path in ours[max(keep, 1) :]:
         if path.name not in known_good:
             try:
-                verify_checkpoint(path)
+                verify_checkpoint(path, keep=False)
             except CheckpointError:
                 continue  # not verifiable: not ours to judge, left in place (resume skips it)
         shutil.rmtree(path, ignore_errors=True)

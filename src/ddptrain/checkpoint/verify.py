@@ -1,9 +1,13 @@
-"""Verification: a checkpoint is loaded only when every byte that is read matches its manifest.
+"""Verification: a checkpoint is used only when every byte of every file it lists matches its manifest.
 
 verify_checkpoint checks the folder (a real folder, not a link), the manifest (checksum, types,
 plain names, the files its writer requires) and every listed file (a regular file, not a link,
-the recorded size and SHA-256). VerifiedCheckpoint.load then reads only files the manifest lists
-and checks their bytes again as it reads them, so a file swapped after verification is refused.
+the recorded size and SHA-256). It reads each file once: its writer decodes the bytes while they
+are hashed (HashingReader), one thread per file, and the decoded contents are kept in the
+VerifiedCheckpoint only once every file's hash has matched. Nothing decoded from a file is handed
+out before then, so verification and loading are one pass and a mismatch falls back exactly as
+before. A VerifiedCheckpoint built from a manifest alone (another rank's decision) reads and
+verifies the folder the same way on first use, and refuses a folder whose manifest changed.
 """
 
 from __future__ import annotations
@@ -12,49 +16,135 @@ import hashlib
 import io
 import os
 import stat
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from ddptrain.checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, ManifestError, parse_manifest, step_of
-from ddptrain.checkpoint.writer import WRITERS
+from ddptrain.checkpoint.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    parse_manifest,
+    step_of,
+)
+from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter
 from ddptrain.errors import CheckpointError
 from ddptrain.safe_files import read_bytes_no_follow
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CHUNK = 4 << 20
+_MAX_THREADS = 8
+
+
+class HashingReader:
+    """A file of known size read forwards once; every byte read is hashed on the way (the GIL is
+    released for big buffers, so files hashed in parallel threads overlap)."""
+
+    def __init__(self, f: IO[bytes], size: int) -> None:
+        self._f, self.left, self._sha = f, size, hashlib.sha256()
+
+    def read(self, n: int) -> bytes:
+        """Up to n bytes (fewer only at the end of the file)."""
+        data = self._f.read(max(0, min(n, self.left)))
+        self._sha.update(data)
+        self.left -= len(data)
+        return data
+
+    def read_all(self) -> bytes:
+        """Every byte not read yet, as one bytes object."""
+        chunks = []
+        while self.left > 0:
+            data = self.read(self.left)  # one read for a regular file; short reads loop
+            if not data:
+                break
+            chunks.append(data)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def readinto(self, buf: memoryview) -> None:
+        """Fill buf completely; EOFError when the file ends first."""
+        if len(buf) > self.left:
+            raise EOFError("the file ends early")
+        done = 0
+        while done < len(buf):
+            got = self._f.readinto(buf[done:])  # type: ignore[attr-defined]
+            if not got:
+                raise EOFError("the file ends early")
+            done += got
+        self._sha.update(buf)
+        self.left -= len(buf)
+
+    def finish(self) -> tuple[int, str]:
+        """Hash what was not read yet; (bytes hashed beyond the expected size, hex SHA-256)."""
+        while self.left > 0:
+            if not self.read(_CHUNK):
+                break
+        extra = len(self._f.read(1))
+        return extra - self.left, self._sha.hexdigest()
 
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint folder whose manifest and files were verified; load() reads only what it lists."""
+    """A checkpoint folder whose manifest and files were verified, with the decoded contents of its files.
+
+    contents is None for a checkpoint named by another rank: the first content() reads and verifies it.
+    """
 
     path: Path
     manifest: Manifest
+    contents: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def step(self) -> int:
         """The step the checkpoint was taken after."""
         return self.manifest.step
 
-    def load(self, name: str) -> Any:
-        """One listed file onto the CPU (torch.load, weights_only), its bytes checked against the manifest."""
-        entry = self.manifest.files.get(name)
-        if entry is None:
+    @property
+    def writer(self) -> CheckpointWriter:
+        """The writer that wrote (and so reads) this checkpoint."""
+        return WRITERS[self.manifest.writer]
+
+    def content(self, name: str) -> Any:
+        """The decoded content of one listed file (as its writer's decode returned it), verified."""
+        if name not in self.manifest.files:
             raise CheckpointError(f"{self.path.name}: {name} is not listed in its {MANIFEST}")
-        try:
-            data = read_bytes_no_follow(self.path / name, entry.size)
-        except OSError as e:
-            raise CheckpointError(f"{self.path.name}: cannot read {name} ({e.strerror or e})") from None
-        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise CheckpointError(f"{self.path.name}: {name} changed after it was verified")
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # verified bytes torch cannot read: a format problem, reported in one line
-            raise CheckpointError(
-                f"{self.path.name}: {name} cannot be loaded ({type(e).__name__}: {str(e)[:120]})"
-            ) from None
+        if self.contents is None:
+            try:
+                again = verify_checkpoint(self.path)
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.path.name} changed after it was verified: {e}") from None
+            if again.manifest != self.manifest:
+                raise CheckpointError(f"{self.path.name}: its {MANIFEST} changed after it was verified")
+            object.__setattr__(self, "contents", again.contents)
+        assert self.contents is not None
+        return self.contents[name]
+
+    def release(self) -> None:
+        """Drop the decoded contents (memory; state handed out must not be handed out twice)."""
+        object.__setattr__(self, "contents", None)
+
+    def load(self, name: str) -> Any:
+        """One listed torch.save file as objects on the CPU (torch.load, weights_only), from verified bytes."""
+        data = self.content(name)
+        if not isinstance(data, bytes):
+            raise CheckpointError(f"{self.path.name}: {name} is not a torch.save file")
+        return torch_load_bytes(self.path.name, name, data)
+
+    def state(self, key: str) -> Any:
+        """One shared object of the checkpoint ('model', 'optimizer', 'trainer'), whatever its format."""
+        return self.writer.read_shared(self, key)
+
+
+def torch_load_bytes(folder: str, name: str, data: bytes) -> Any:
+    """torch.load (weights_only, onto the CPU) of verified bytes; CheckpointError in one line when torch cannot."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # verified bytes torch cannot read: a format problem, reported in one line
+        raise CheckpointError(f"{folder}: {name} cannot be loaded ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -68,30 +158,51 @@ def read_manifest(path: Path) -> Manifest:
     return parse_manifest(data)
 
 
-def _sha256_file(path: Path, size: int) -> tuple[int, str]:
-    """(size, SHA-256) of a regular file read without following a link; at most size + 1 bytes are read."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
+def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter, keep: bool) -> Any:
+    """Read one listed file once without following a link, decoding it (keep) while hashing it."""
+    try:
+        fd = os.open(path / name, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"file {name} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"file {name} is not a readable regular file ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise IsADirectoryError(21, "not a regular file")
-        if st.st_size != size:
-            return st.st_size, ""
-        h = hashlib.sha256()
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-        return st.st_size, h.hexdigest()
+            raise CheckpointError(f"file {name} is not a readable regular file (not a regular file)")
+        if st.st_size != entry.size:
+            raise CheckpointError(f"file {name} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)")
+        reader = HashingReader(f, entry.size)
+        decoded: Any = None
+        problem: str | None = None
+        if keep:
+            try:
+                decoded = writer.decode(name, reader)
+            except Exception as e:  # garbage decodes badly; the hash below says whether it is corruption
+                problem = f"{type(e).__name__}: {str(e)[:120]}"
+        extra, sha = reader.finish()
+    if extra > 0:
+        raise CheckpointError(f"file {name} grew while it was read (the manifest says {entry.size} bytes)")
+    if sha != entry.sha256:
+        raise CheckpointError(f"file {name} does not match its SHA-256 in the manifest (corrupted)")
+    if problem is not None:
+        raise CheckpointError(f"file {name} cannot be loaded ({problem})")
+    return decoded
 
 
-def verify_checkpoint(path: Path) -> VerifiedCheckpoint:
-    """The checkpoint at path, verified; CheckpointError (one line, naming the folder) when anything is off."""
+def verify_checkpoint(path: Path, keep: bool = True) -> VerifiedCheckpoint:
+    """The checkpoint at path, verified; CheckpointError (one line, naming the folder) when anything is off.
+
+    keep: decode the files into the result (one read serves verification and loading); False
+    only hashes them (pruning, listing).
+    """
     try:
-        return _verify(path)
+        return _verify(path, keep)
     except CheckpointError as e:
         raise type(e)(f"{path.name}: {e}") from None
 
 
-def _verify(path: Path) -> VerifiedCheckpoint:
+def _verify(path: Path, keep: bool) -> VerifiedCheckpoint:
     if path.is_symlink() or not path.is_dir():
         raise CheckpointError("not a checkpoint folder (missing, or a symbolic link)")
     manifest = read_manifest(path)
@@ -104,15 +215,13 @@ def _verify(path: Path) -> VerifiedCheckpoint:
     missing = sorted(writer.required(manifest.world_size) - set(manifest.files))
     if missing:
         raise ManifestError(f"{MANIFEST} does not list {', '.join(missing[:4])} (required to resume)")
-    for name, entry in sorted(manifest.files.items()):
-        try:
-            size, sha = _sha256_file(path / name, entry.size)
-        except FileNotFoundError:
-            raise CheckpointError(f"file {name} is missing") from None
-        except OSError as e:
-            raise CheckpointError(f"file {name} is not a readable regular file ({e.strerror or e})") from None
-        if size != entry.size:
-            raise CheckpointError(f"file {name} has {size} bytes, the manifest says {entry.size} (truncated?)")
-        if sha != entry.sha256:
-            raise CheckpointError(f"file {name} does not match its SHA-256 in the manifest (corrupted)")
-    return VerifiedCheckpoint(path, manifest)
+    names = sorted(manifest.files)
+    if not names:
+        return VerifiedCheckpoint(path, manifest, {} if keep else None)
+    # One thread per file: reads, hashes and torch's copies release the GIL, so the files overlap.
+    with ThreadPoolExecutor(max_workers=min(len(names), _MAX_THREADS)) as pool:
+        futures = {n: pool.submit(_read_file, path, n, manifest.files[n], writer, keep) for n in names}
+        outcomes: dict[str, Any] = {}
+        for n in names:  # the first failure in name order, so the message does not depend on timing
+            outcomes[n] = futures[n].result()
+    return VerifiedCheckpoint(path, manifest, outcomes if keep else None)

@@ -38,10 +38,10 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str, bool]:
     if path.is_file() and path.suffix == ".safetensors":
         return _read_safetensors(path), f"exported weights {path}", False
     if (path / MANIFEST).is_file():
-        return verify_checkpoint(path).load("model.pt"), f"checkpoint {path}", False
+        return verify_checkpoint(path).state("model"), f"checkpoint {path}", False
     if (path / "checkpoints").is_dir():
         ckpt = select_checkpoint(path, None, lambda text: print(text, file=sys.stderr))
-        return ckpt.load("model.pt"), f"checkpoint {ckpt.path}", False
+        return ckpt.state("model"), f"checkpoint {ckpt.path}", False
     if (path / "config.json").is_file():
         files = sorted(path.glob("*.safetensors"))
         if not files:

@@ -262,9 +262,8 @@ class Trainer:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # what get_last_lr() reports
 
     def save_checkpoint(self) -> None:
-        """All ranks: save the current step (model/optimizer on rank 0, RNG on every rank)."""
-        state = self.state_dict() if self.ctx.is_main else {}
-        self.checkpointer.save(self.step, state, {"rng": rng_state()})
+        """All ranks: save the current step (each rank writes its share of the state, and its own RNG)."""
+        self.checkpointer.save(self.step, self.state_dict(), {"rng": rng_state()})
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
         """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged."""

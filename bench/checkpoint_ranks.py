@@ -1,0 +1,212 @@
+"""Checkpoints written by every rank: the sharded writer vs the single writer, 2 ranks under torchrun (gloo).
+
+One job of 2 ranks x 1 thread holds a ~100 MB state (a 6 x 352 GPT and its AdamW moments after one
+step; identical on both ranks, as under DDP). Interleaved rounds, the order alternating:
+- sync save, sharded and rank0-torch: the slowest rank's time from a barrier to the committed save;
+- async save, both writers: the time the loop is blocked (the slowest rank's), then waited for untimed;
+- verified load (read, hash, restore into the model and optimizer) of the newest sharded and
+  rank0-torch checkpoints vs torch.load + restore of one torch.save file of the same state: on both
+  ranks at once (a 2-rank resume) and on rank 0 alone while rank 1 waits (one process: export,
+  a resume at world size 1).
+Files go to runs/bench on the repository's disk (fsync reaches the device); loads read warm files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.common import Options, Row, Variant, interleave, run_job, summary
+from ddptrain.checkpoint import Checkpointer, verify_checkpoint
+from ddptrain.checkpoint.writer import WRITERS
+from ddptrain.config import CkptConfig, DistConfig, ModelConfig
+from ddptrain.dist import DistContext, close_distributed, init_distributed
+from ddptrain.models.gpt import GPT
+
+WRITER_NAMES = ("sharded", "rank0-torch")
+
+
+class _Worker:
+    """Both ranks: the state, one Checkpointer per writer and mode, and the timed variants."""
+
+    def __init__(self, ctx: DistContext, folder: Path, large: bool) -> None:
+        self.ctx, self.folder, self.n = ctx, folder, 0
+        torch.manual_seed(0)
+        shape = dict(n_layer=6, n_head=4, n_embd=352) if large else dict(n_layer=1, n_head=2, n_embd=32)
+        self.model = GPT(ModelConfig(**shape, block_size=64, dropout=0.0))  # type: ignore[arg-type]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+        self.model(x, x).backward()
+        self.opt.step()  # the AdamW moments exist now
+        self.ckpts = {
+            (w, a): Checkpointer(
+                CkptConfig(async_save=a, keep=2), folder / f"{w}-{'async' if a else 'sync'}", ctx, {}, writer=WRITERS[w]
+            )
+            for w in WRITER_NAMES
+            for a in (False, True)
+        }
+        for c in self.ckpts.values():
+            c.setup()
+        self.file = folder / "torch-save.pt"
+        if ctx.is_main:
+            with open(self.file, "wb") as f:
+                torch.save({"state": self.state(), "rng": {"rank": 0}}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        self.newest: dict[str, Path] = {}
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "trainer": {"step": self.n}}
+
+    def slowest(self, seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def save(self, writer: str, is_async: bool) -> float:
+        ckpt = self.ckpts[(writer, is_async)]
+        self.n += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.save(self.n, self.state(), {"rng": {"rank": self.ctx.rank}})
+        seconds = time.perf_counter() - t0
+        ckpt.wait()
+        (result,) = ckpt.finished()
+        assert result.ok and result.path is not None, result.error
+        if not is_async:
+            self.newest[writer] = result.path
+        return self.slowest(seconds)
+
+    def restore(self, shared: dict[str, Any]) -> None:
+        self.model.load_state_dict(shared["model"])
+        self.opt.load_state_dict(shared["optimizer"])
+
+    def load_verified(self, writer: str, ranks: int) -> float:
+        def work() -> None:
+            ckpt = verify_checkpoint(self.newest[writer])
+            shared, _ = ckpt.writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+            self.restore(shared)
+
+        return self._timed_load(work, ranks)
+
+    def load_torch(self, ranks: int) -> float:
+        def work() -> None:
+            saved = torch.load(self.file, map_location="cpu", weights_only=True)
+            self.restore(saved["state"])
+
+        return self._timed_load(work, ranks)
+
+    def _timed_load(self, work: Callable[[], None], ranks: int) -> float:
+        dist.barrier()
+        seconds = 0.0
+        if self.ctx.rank < ranks:
+            t0 = time.perf_counter()
+            work()
+            seconds = time.perf_counter() - t0
+        return self.slowest(seconds)
+
+
+def worker(out: Path, folder: Path, rounds: int, warmup: int, large: bool) -> None:
+    """Inside torchrun: every variant per round, interleaved; rank 0 writes the JSON."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(DistConfig(timeout_s=300))
+    w = _Worker(ctx, folder, large)
+    for writer in WRITER_NAMES:
+        w.save(writer, False)  # the loads need a checkpoint from the start
+    variants: dict[str, Callable[[], float]] = {
+        "sharded sync": lambda: w.save("sharded", False),
+        "rank0 sync": lambda: w.save("rank0-torch", False),
+        "sharded async": lambda: w.save("sharded", True),
+        "rank0 async": lambda: w.save("rank0-torch", True),
+    }
+    for ranks in (2, 1):
+        variants[f"torch.load x{ranks}"] = lambda r=ranks: w.load_torch(r)  # type: ignore[misc]
+        for writer in WRITER_NAMES:
+            variants[f"{writer} load x{ranks}"] = lambda wr=writer, r=ranks: w.load_verified(wr, r)  # type: ignore[misc]
+    times = interleave(variants, Options(rounds=rounds, warmup=warmup))
+    if ctx.is_main:
+        sizes = {p.name: sum(f.stat().st_size for f in p.iterdir()) for p in w.newest.values()}
+        out.write_text(json.dumps({"seconds": times, "state_bytes": w.file.stat().st_size, "checkpoint_bytes": sizes}))
+    close_distributed(ctx)
+
+
+def _ratio(t: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
+    return summary([a / b for a, b in zip(t[num], t[den])])
+
+
+def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
+    """Launch the 2-rank job; ratios per round."""
+    folder = opts.work_dir / "checkpoint-ranks"
+    shutil.rmtree(folder, ignore_errors=True)  # keep= would prune by another run's step numbers
+    folder.mkdir(parents=True)
+    out = opts.work_dir / "checkpoint-ranks.json"
+    args = ["--out", str(out), "--folder", str(folder), "--rounds", str(opts.rounds), "--warmup", str(opts.warmup)]
+    run_job(
+        Variant("checkpoint-ranks", "bench.checkpoint_ranks", [*args, *([] if opts.smoke else ["--large"])], nproc=2),
+        opts.work_dir / "checkpoint-ranks.log",
+    )
+    data = json.loads(out.read_text())
+    t = data["seconds"]
+    ms = {k: summary(v)["median"] * 1000 for k, v in t.items()}
+    mb = data["state_bytes"] / 1e6
+    sync, blocked = _ratio(t, "rank0 sync", "sharded sync"), _ratio(t, "sharded async", "rank0 async")
+    rows = [
+        Row(
+            "checkpoint (2 ranks)",
+            f"sync save speed, sharded vs rank0-torch ({mb:.0f} MB state)",
+            sync,
+            "x",
+            ">= 1.6",
+            sync["median"] >= 1.6,
+            f"sharded {ms['sharded sync']:.0f} ms, rank0-torch {ms['rank0 sync']:.0f} ms",
+        ),
+        Row(
+            "checkpoint (2 ranks)",
+            "async blocked time, sharded / rank0-torch",
+            blocked,
+            "x",
+            "<= 1",
+            blocked["median"] <= 1.0,
+            f"sharded {ms['sharded async']:.0f} ms, rank0-torch {ms['rank0 async']:.0f} ms",
+        ),
+    ]
+    for ranks, who in ((2, "both ranks at once"), (1, "rank 0 alone")):
+        for writer, target in (("sharded", "<= 1.1"), ("rank0-torch", "reported")):
+            r = _ratio(t, f"{writer} load x{ranks}", f"torch.load x{ranks}")
+            rows.append(
+                Row(
+                    "checkpoint (2 ranks)",
+                    f"verified load / torch.load, {writer}, {who}",
+                    r,
+                    "x",
+                    target,
+                    r["median"] <= 1.1 if target != "reported" else None,
+                    f"{ms[f'{writer} load x{ranks}']:.0f} ms vs {ms[f'torch.load x{ranks}']:.0f} ms",
+                )
+            )
+    return rows, data
+
+
+def main() -> None:
+    """Worker entry point (under torchrun)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--folder", type=Path, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--large", action="store_true")
+    a = p.parse_args()
+    worker(a.out, a.folder, a.rounds, a.warmup, a.large)
+
+
+if __name__ == "__main__":
+    main()
