@@ -25,3 +25,9 @@ def test_unit_tests_carry_no_folder_marker() -> None:
 def test_the_folder_hook_marks_what_was_collected(request: pytest.FixtureRequest) -> None:
     """This very test sits in tests/unit: the conftest hook gave it neither marker."""
     assert request.node.get_closest_marker("dist") is None and request.node.get_closest_marker("cluster") is None
+
+
+def test_test_file_names_are_unique_across_folders() -> None:
+    """pytest imports test files by their base name (no packages): two of the same name break collection."""
+    names = [f.name for f in TESTS_DIR.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
