@@ -631,6 +631,11 @@ def launch(args: argparse.Namespace) -> int:
             )
             + "stores listen on "
             + (f"{env[BIND_ADDR_ENV]} only" if BIND_ADDR_ENV in env else "every interface (pass --node-addr)")
+            + (
+                ", workers fork from a server that imported torch once (--worker-start preloaded)"
+                if args.worker_start == "preloaded"
+                else ""
+            )
         )
         return EXIT_OK
     for line in pet_conflicts(args, inherited):
