@@ -38,6 +38,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "gloo all-reduce",
         "overlap",
         "checkpoint",
+        "checkpoint (2 ranks)",
         "data",
         "tracking",
         "prepare",

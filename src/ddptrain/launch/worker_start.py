@@ -22,11 +22,12 @@ import logging
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 
 from ddptrain.observe.recovery import AGENT_MARKS_ENV
 
-PRELOAD = ["ddptrain.cli", "torch._dynamo"]
+PRELOAD = ["ddptrain.launch.preload"]  # the imports, and stop signals ignored by the server
 WORKER_STARTS = ("preloaded", "exec")
 
 
@@ -50,6 +51,8 @@ def run_worker(agent_marks: str, *argv: str) -> None:
     # A session of its own, as torchrun gives exec'd workers: a terminal's Ctrl-C reaches the
     # agent only, which forwards it once (a second one means "quit now" to the workers).
     os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)  # the server ignores them (launch/preload.py); a worker must not
     if agent_marks:
         os.environ[AGENT_MARKS_ENV] = agent_marks
     else:
