@@ -37,12 +37,13 @@ from ddptrain.observe.triage import Triage
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.evaluation import evaluate_loss
 from ddptrain.train.nonfinite import NonFiniteSteps
-from ddptrain.train.optim import build_optimizer, load_optimizer_state
+from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
 from ddptrain.train.precision import Precision
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
+from ddptrain.train.sharding import full_state, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,11 @@ class Trainer:
         for micro in range(self.accum):
             batch = self.next_batch()
             self.timer.lap("data")
-            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() skips
-            # their all-reduce, and the last backward all-reduces the sum once.
+            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() (DDP) or
+            # FSDP2's gradient sync switch skips their all-reduce/reduce-scatter; the last backward
+            # reduces the sum once.
             last = micro == self.accum - 1
+            set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 loss = _call(self.ddp, batch, self.model_name) / self.accum
@@ -190,9 +193,10 @@ class Trainer:
         self.sampler.advance()
         self.precision.unscale_(self.optimizer)
         # After DDP's all-reduce every rank holds the same gradients, so every rank computes the
-        # same norm: the finite check below is agreed on by all ranks without a collective.
+        # same norm: the finite check below is agreed on by all ranks without a collective. Under
+        # FSDP the norm is a DTensor over gradient shards; local_norm all-reduces it to the same value.
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = local_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         skipped = self.nonfinite.check(norm, self.step + 1)  # stays 0. with fp16: the scaler skips overflows
         if self.cfg.train.on_nonfinite == "stop" and self.logs_at(self.step + 1):
             self.nonfinite.stop_if_any(self.step + 1)
@@ -222,9 +226,10 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Rank-independent training state (model, optimizer, schedule, scaler, data position)."""
+        model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "trainer": {
                 "step": self.step,
                 "scheduler": self.scheduler.state_dict(),
@@ -236,8 +241,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state_dict(); the data stream continues at the next global sample."""
-        self.model.load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
