@@ -49,7 +49,7 @@ def shard_units(model: nn.Module, cfg: Config) -> list[nn.Module]:
             names = {Block.__name__}
         else:
             raise ConfigError(
-                f"cannot tell which submodules of {type(model).__name__} to shard: set model.shard_units "
+                f"cannot tell which submodules of {type(model).__name__} to shard or checkpoint: set model.shard_units "
                 "to the class names of its repeated blocks (e.g. [MyBlock])"
             )
     units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
