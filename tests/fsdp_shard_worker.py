@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import TINY
 
 from ddptrain.config import load_config
 from ddptrain.dist import DistContext
@@ -50,16 +51,7 @@ def measure(common: list[str], strategy: str, out: Path, ctx: DistContext) -> di
 
 def main() -> None:
     corpus, out = Path(sys.argv[1]), Path(sys.argv[2])
-    common = [
-        "model.n_layer=2",
-        "model.n_head=2",
-        "model.n_embd=64",
-        "model.block_size=32",
-        "data.micro_batch_size=4",
-        "train.global_batch_size=8",
-        "log.every_steps=1",
-        f"data.dir={corpus}",
-    ]
+    common = [*TINY, "model.n_layer=2", "model.n_embd=64", f"data.dir={corpus}"]  # later overrides win
     with distributed(load_config(None, common)) as ctx:
         result = {s: measure(common, s, out, ctx) for s in ("ddp", "fsdp")}
     (out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(result))
