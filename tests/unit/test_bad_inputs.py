@@ -96,6 +96,11 @@ def test_train_refuses_values_that_cannot_train(
 SHARDING = [
     (["dist.strategy=fsdp", "train.precision=fp16"], "train.precision=fp16 is not supported with dist.strategy=fsdp"),
     (["dist.strategy=hsdp", "dist.shard_size=3"], "dist.shard_size=3 does not divide the world size 1"),
+    # Shard units are looked up for activation checkpointing too, so a single process sees the typo.
+    (
+        ["model.shard_units=[Blok]", "train.activation_checkpointing=full"],
+        "model.shard_units ['Blok'] match no submodule",
+    ),
 ]
 
 
