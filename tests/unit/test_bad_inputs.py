@@ -80,6 +80,7 @@ BAD_VALUES = [
     ("dist.shard_size=0", "dist.shard_size"),
     ("model.shard_units=Block", "model.shard_units: Input should be a valid list"),
     ("train.activation_checkpointing=some", "train.activation_checkpointing"),
+    ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every"),
     ("train.bogus=1", "unknown key 'train.bogus'"),
     ("train=3", "train"),
     ("train.max_steps.deeper=3", "is a value, not a section"),

@@ -23,10 +23,12 @@ def wrap_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
     creates its mesh's groups.
     """
     model = model.to(ctx.device)
-    if cfg.train.activation_checkpointing == "full":
+    t = cfg.train
+    if t.activation_checkpointing != "none":
         # Before wrapping, so that DDP and FSDP see the recomputing units; the composable form
         # keeps parameter names (and so checkpoints) unchanged.
-        for unit in shard_units(model, cfg):
+        every = t.activation_checkpointing_every if t.activation_checkpointing == "every_n" else 1
+        for unit in shard_units(model, cfg)[::every]:
             checkpoint(unit)
     wrapped: nn.Module = model
     if ctx.is_distributed and cfg.dist.strategy != "ddp":
