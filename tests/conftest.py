@@ -18,6 +18,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.relative_to(TESTS_DIR).parts[0] if item.path.is_relative_to(TESTS_DIR) else ""
         if folder in FOLDER_MARKERS and item.get_closest_marker(folder) is None:
             item.add_marker(FOLDER_MARKERS[folder])
+        if folder == "cluster":
+            # Under pytest-xdist (`make test`), the cluster tests run one after another on one worker:
+            # they build namespace hosts, bridges and services with fixed names and addresses.
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 @pytest.fixture(scope="session")
