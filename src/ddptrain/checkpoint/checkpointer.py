@@ -42,7 +42,7 @@ from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manife
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
-from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter
+from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter, DcpWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
@@ -95,6 +95,9 @@ class Checkpointer:
         # background thread and must never interleave with the training loop's.
         if self.ctx.is_distributed:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
+        bind = getattr(self.writer, "bind", None)
+        if callable(bind):  # the dcp writer runs DCP's own collectives on this group
+            bind(self._group)
         if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
             for stale in self.dir.glob(f"{TMP_PREFIX}*"):
                 if stale.is_symlink() or not stale.is_dir():
@@ -286,6 +289,13 @@ class Checkpointer:
         state = writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
         ckpt.release()  # the state now owns the tensors: a second read reads (and verifies) the files again
         return state
+
+    def load_sharded(self, ckpt: VerifiedCheckpoint, state: dict[str, Any]) -> None:
+        """All ranks: fill state ({"model", "optimizer"} as get_state_dict gives them) from a dcp checkpoint.
+
+        DCP reshards: any world size and strategy reads any dcp checkpoint, from verified bytes only.
+        """
+        DcpWriter.load(ckpt, state, self._group)
 
     def _inside_own_folder(self, path: Path) -> bool:
         return path.parent.resolve() == self.dir.resolve()

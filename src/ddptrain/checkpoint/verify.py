@@ -29,6 +29,7 @@ from ddptrain.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    disk_name,
     parse_manifest,
     step_of,
 )
@@ -161,7 +162,7 @@ def read_manifest(path: Path) -> Manifest:
 def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter, keep: bool) -> Any:
     """Read one listed file once without following a link, decoding it (keep) while hashing it."""
     try:
-        fd = os.open(path / name, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path / disk_name(name), os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError(f"file {name} is missing") from None
     except OSError as e:

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
@@ -225,8 +227,12 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Rank-independent training state (model, optimizer, schedule, scaler, data position)."""
-        model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
+        """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
+        or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
+        if self.checkpointer.writer.name == DcpWriter.name:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)  # no collective
+        else:
+            model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
         return {
             "model": model_state,
             "optimizer": optim_state,
@@ -240,8 +246,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore state_dict(); the data stream continues at the next global sample."""
-        load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        """Restore state_dict() (model and optimizer: full state; absent when resume() loaded them from DCP);
+        the data stream continues at the next global sample."""
+        if "model" in state:
+            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
@@ -270,7 +278,17 @@ class Trainer:
         self.checkpointer.save(self.step, self.state_dict(), {"rng": rng_state()})
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
-        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged."""
+        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
+
+        Any strategy resumes any checkpoint: a full state (sharded, rank0-torch) is sharded on load under
+        FSDP; a dcp checkpoint fills this run's own form of the state (DTensor shards under FSDP, whole
+        tensors under DDP), DCP reading the slices each rank needs, whatever world size saved it.
+        """
+        if ckpt.manifest.writer == DcpWriter.name:
+            # The template: a fresh optimizer's state is initialised by get_state_dict, so every key exists.
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            self.checkpointer.load_sharded(ckpt, {"model": model_state, "optimizer": optim_state})  # in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         shared, local = self.checkpointer.read(ckpt)
         self.load_state_dict(shared)
         if local is not None:
