@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -45,7 +44,8 @@ from ddptrain.train.precision import Precision
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
-from ddptrain.train.sharding import full_state, load_full_state, local_norm, set_gradient_sync
+from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
+from ddptrain.train.sharding import full_state, is_sharded, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class Trainer:
         """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
         or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
         if self.checkpointer.writer.name == DcpWriter.name:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)  # no collective
+            model_state, optim_state = sharded_state(self.model, self.optimizer)
         else:
             model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
         return {
@@ -249,7 +249,10 @@ class Trainer:
         """Restore state_dict() (model and optimizer: full state; absent when resume() loaded them from DCP);
         the data stream continues at the next global sample."""
         if "model" in state:
-            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            optim_state = state["optimizer"]
+            if is_sharded(self.model):  # a DDP checkpoint's optimizer state is keyed by index; FSDP's by name
+                optim_state = by_name(optim_state, self.model, self.optimizer)
+            load_full_state(self.model, self.optimizer, state["model"], optim_state)
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
@@ -285,10 +288,7 @@ class Trainer:
         tensors under DDP), DCP reading the slices each rank needs, whatever world size saved it.
         """
         if ckpt.manifest.writer == DcpWriter.name:
-            # The template: a fresh optimizer's state is initialised by get_state_dict, so every key exists.
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            self.checkpointer.load_sharded(ckpt, {"model": model_state, "optimizer": optim_state})  # in place
-            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            load_dcp(self.checkpointer, ckpt, self.model, self.optimizer)
         shared, local = self.checkpointer.read(ckpt)
         self.load_state_dict(shared)
         if local is not None:
