@@ -50,6 +50,14 @@ SHARDED_KEYS = ("model", "optimizer")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
+@contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """DCP warns when it saves or loads without a process group: in one process that is what is asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def hash_file(path: Path) -> FileEntry:
     """SHA-256 and size of a file this rank just wrote (never through a link)."""
     sha, size = hashlib.sha256(), 0
@@ -95,8 +103,7 @@ def load_sharded(ckpt: VerifiedCheckpoint, state: dict[str, Any], group: dist.Pr
     All ranks together (DCP plans the load on `group`); group None loads in this process alone.
     """
     try:
-        with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: that is what is asked
-            warnings.simplefilter("ignore", UserWarning)
+        with _one_process_is_meant():
             dcp_load(state, storage_reader=verified_reader(ckpt), process_group=group, no_dist=group is None)
     except CheckpointError:
         raise
@@ -138,7 +145,8 @@ class DcpWriter:
         """dcp.save of model and optimizer (a collective), then this rank's other files; every file hashed."""
         writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, overwrite=False)
         sharded = {k: shared[k] for k in SHARDED_KEYS}
-        metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        with _one_process_is_meant():
+            metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
         # The files DCP says this rank wrote (`__<rank>_*`), hashed after DCP fsynced them.
         written = {info.relative_path for info in metadata.storage_data.values()}
         mine = sorted(n for n in written if n.startswith(f"__{rank}_"))
