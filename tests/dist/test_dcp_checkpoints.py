@@ -90,7 +90,8 @@ def flip(path: Path, offset: int) -> None:
 @pytest.mark.timeout(120)
 def test_a_flipped_byte_in_any_dcp_file_is_rejected(corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    base = ["train", *common(corpus_dir, run_dir), *SMALL, "ckpt.every_steps=2", "ckpt.keep=3", FSDP]
+    # Async saves: DCP runs its collectives in the save thread, on the checkpointer's own group.
+    base = ["train", *common(corpus_dir, run_dir), *SMALL, "ckpt.every_steps=2", "ckpt.keep=3", "ckpt.async_save=true", FSDP]
     first = run_ddptrain([*base, "train.max_steps=6"], nproc=2)
     assert first.returncode == 0, first.stderr
     six, four = ckpt(run_dir, 6), ckpt(run_dir, 4)

@@ -10,6 +10,14 @@ the default, sharded.py):
     manifest.json                          every file's SHA-256 and size, step, world size, timeline,
                                            writer, config, identity, and its own checksum (manifest.py)
 
+FSDP/HSDP runs use the `dcp` writer (dcp_writer.py): every rank's shards through
+torch.distributed.checkpoint, in the same temp folder and under the same protocol:
+
+    __<r>_0.distcp                         written by rank r: its shards of model and optimizer
+    .metadata                              written by rank 0 (DCP); listed as `dcp.metadata`
+    trainer.pt                             written by rank 0: step, schedule, scaler, sampler
+    rng-rank0.pt ... rng-rank{W-1}.pt      as above
+
 Checkpoints of the older `rank0-torch` writer (model.pt, optimizer.pt, trainer.pt by rank 0) load too.
 
 The protocol: every rank writes its files as new files under a new `.tmp-step-00000100/` (never
