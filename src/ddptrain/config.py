@@ -139,9 +139,12 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
-    activation_checkpointing: Literal["none", "full"] = Field(
+    activation_checkpointing: Literal["none", "full", "every_n"] = Field(
         "none",
-        description="full: recompute each shard unit's activations in backward instead of keeping them (less memory, ~1/3 more compute).",
+        description="full: recompute each shard unit's activations in backward instead of keeping them (less memory, ~1/3 more compute); every_n: only every activation_checkpointing_every-th unit (1st, n+1-th, ...).",
+    )
+    activation_checkpointing_every: int = Field(
+        2, ge=1, description="activation_checkpointing=every_n: checkpoint one shard unit in this many."
     )
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (and at the end); 0 disables.")
     eval_batches: int = Field(8, ge=1, description="Micro-batches per rank per evaluation.")

@@ -80,6 +80,7 @@ BAD_VALUES = [
     ("dist.shard_size=0", "dist.shard_size"),
     ("model.shard_units=Block", "model.shard_units: Input should be a valid list"),
     ("train.activation_checkpointing=some", "train.activation_checkpointing"),
+    ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every"),
     ("train.bogus=1", "unknown key 'train.bogus'"),
     ("train=3", "train"),
     ("train.max_steps.deeper=3", "is a value, not a section"),
@@ -96,6 +97,11 @@ def test_train_refuses_values_that_cannot_train(
 SHARDING = [
     (["dist.strategy=fsdp", "train.precision=fp16"], "train.precision=fp16 is not supported with dist.strategy=fsdp"),
     (["dist.strategy=hsdp", "dist.shard_size=3"], "dist.shard_size=3 does not divide the world size 1"),
+    # Shard units are looked up for activation checkpointing too, so a single process sees the typo.
+    (
+        ["model.shard_units=[Blok]", "train.activation_checkpointing=full"],
+        "model.shard_units ['Blok'] match no submodule",
+    ),
 ]
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import Config
 from ddptrain.dist import DistContext
-from ddptrain.train.sharding import shard_model
+from ddptrain.train.sharding import shard_model, shard_units
 
 
 def wrap_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
@@ -22,6 +23,13 @@ def wrap_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
     creates its mesh's groups.
     """
     model = model.to(ctx.device)
+    t = cfg.train
+    if t.activation_checkpointing != "none":
+        # Before wrapping, so that DDP and FSDP see the recomputing units; the composable form
+        # keeps parameter names (and so checkpoints) unchanged.
+        every = t.activation_checkpointing_every if t.activation_checkpointing == "every_n" else 1
+        for unit in shard_units(model, cfg)[::every]:
+            checkpoint(unit)
     wrapped: nn.Module = model
     if ctx.is_distributed and cfg.dist.strategy != "ddp":
         wrapped = shard_model(model, cfg, ctx)

@@ -12,6 +12,7 @@ user's module stays the module the trainer holds (no wrapper), and `unwrap_model
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def shard_units(model: nn.Module, cfg: Config) -> list[nn.Module]:
             names = {Block.__name__}
         else:
             raise ConfigError(
-                f"cannot tell which submodules of {type(model).__name__} to shard: set model.shard_units "
+                f"cannot tell which submodules of {type(model).__name__} to shard or checkpoint: set model.shard_units "
                 "to the class names of its repeated blocks (e.g. [MyBlock])"
             )
     units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
@@ -88,12 +89,32 @@ def shard_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
     Every rank built the same parameters from the same seed, so each keeps its slice of them: no
     broadcast is needed (unlike DDP's). Collectives: the mesh's (hsdp only).
     """
+    if ctx.device.type == "cpu":
+        _fixed_mmap_threshold()
     mesh = device_mesh(cfg, ctx)
     policy = mixed_precision(cfg.train.precision)
     for unit in shard_units(model, cfg):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def _fixed_mmap_threshold() -> None:
+    """Have glibc's malloc return FSDP's freed gather and reduce buffers to the system.
+
+    By default glibc raises its mmap threshold (up to 32 MB) each time a large block is freed, after
+    which blocks of a unit's size come from the heap and stay in the process: measured on 2 CPU ranks
+    with an 85M-parameter GPT, the max RSS grew every step to 1.3x DDP's; with the threshold fixed at
+    1 MiB it stayed at 0.66x. Setting it (mallopt M_MMAP_THRESHOLD) turns the dynamic rule off. No-op
+    where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold = -3  # glibc's malloc.h
+    mallopt(m_mmap_threshold, 1 << 20)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
