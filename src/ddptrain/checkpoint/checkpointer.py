@@ -122,7 +122,8 @@ class Checkpointer:
     # ---- saving -------------------------------------------------------------------------
 
     def save(self, step: int, shared: dict[str, Any], local: dict[str, Any]) -> None:
-        """Checkpoint `step`. shared: the state identical on every rank (each writes its share); local: this rank's.
+        """Checkpoint `step`. shared: the state identical on every rank (each writes its share), or for the dcp
+        writer this rank's shards of it; local: this rank's own.
 
         A synchronous save is committed (or failed) when this returns. An async save first waits
         for the previous one (a save never starts before the previous commit), snapshots the

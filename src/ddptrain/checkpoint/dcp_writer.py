@@ -92,7 +92,9 @@ def verified_reader(ckpt: VerifiedCheckpoint) -> FileSystemReader:
     """A DCP reader of ckpt whose every read is served from verified bytes."""
     reader = FileSystemReader(ckpt.path)
     # FileSystemReader reads the metadata and every shard through `self.fs`: replacing it keeps
-    # DCP's own decoding (offsets, transforms) while the bytes are those verify.py hashed.
+    # DCP's own decoding (offsets, transforms) while the bytes are those verify.py hashed. Should a
+    # torch release stop reading through `fs`, tests/unit/test_checkpoint_dcp.py fails: it changes a
+    # shard file after verification and requires the load to still see the verified bytes.
     reader.fs = VerifiedFiles(ckpt)
     return reader
 
@@ -143,7 +145,8 @@ class DcpWriter:
         self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
     ) -> dict[str, FileEntry]:
         """dcp.save of model and optimizer (a collective), then this rank's other files; every file hashed."""
-        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, overwrite=False)
+        # One file per rank (one writer thread): `__<rank>_0.distcp`, which required() names.
+        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         sharded = {k: shared[k] for k in SHARDED_KEYS}
         with _one_process_is_meant():
             metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
@@ -159,8 +162,13 @@ class DcpWriter:
         return entries
 
     def required(self, world_size: int) -> set[str]:
-        """DCP's metadata, the trainer state and one rng file per saved rank (the shards: per .metadata)."""
-        return {DCP_METADATA, TRAINER} | local_required(world_size)
+        """DCP's metadata, every rank's shard file (one each: one writer thread), the trainer state, the rng files.
+
+        Listing every shard file here rejects a manifest that lost one at verification (and falls back),
+        instead of failing later inside DCP's load.
+        """
+        shards = {f"__{r}_0.distcp" for r in range(world_size)}
+        return {DCP_METADATA, TRAINER} | shards | local_required(world_size)
 
     def decode(self, name: str, reader: HashingReader) -> Any:
         """Every file's bytes: DCP and torch.load read them only once all were verified."""

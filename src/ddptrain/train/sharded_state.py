@@ -17,7 +17,7 @@ from ddptrain.checkpoint import Checkpointer, VerifiedCheckpoint
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model, optimizer) state as this rank's shards (DTensors under FSDP, whole tensors otherwise). No collective."""
+    """(model, optimizer) state as this rank's shards (DTensors under FSDP, whole tensors otherwise), keyed by name."""
     return get_state_dict(model, optimizer)
 
 
