@@ -200,6 +200,10 @@ class DistConfig(_Section):
         "ddp",
         description="ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups.",
     )
+    cpu_release_memory: bool = Field(
+        False,
+        description="fsdp/hsdp on CPU: fix glibc's mmap threshold at 1 MiB so freed all-gather/reduce buffers return to the system (measured: peak RSS 0.44x DDP's instead of 0.87x, steps up to ~2.8x slower).",
+    )
     shard_size: int | None = Field(
         None,
         ge=1,

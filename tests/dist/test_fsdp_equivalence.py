@@ -63,3 +63,13 @@ def test_hsdp_four_ranks_matches_ddp(tiny_args: list[str], tmp_path: Path) -> No
     ddp = train(args, tmp_path / "ddp", 4)
     hsdp = train([*args, "dist.strategy=hsdp", "dist.shard_size=2"], tmp_path / "hsdp", 4)
     assert_same_training(ddp, hsdp, accum=2)
+
+
+@pytest.mark.timeout(180)
+def test_init_from_loads_into_shards_as_into_ddp(tiny_args: list[str], tmp_path: Path) -> None:
+    source = train([*tiny_args, *COMMON], tmp_path / "source", 2)
+    fresh = [*tiny_args, *COMMON, f"model.init_from={source}"]
+    ddp = train(fresh, tmp_path / "ddp", 2)
+    fsdp = train([*fresh, "dist.strategy=fsdp"], tmp_path / "fsdp", 2)
+    assert read_metrics(fsdp)[0]["loss"] < read_metrics(source)[0]["loss"] - 0.1  # trained weights, not a fresh init
+    assert_same_training(ddp, fsdp, accum=2)

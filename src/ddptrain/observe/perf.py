@@ -127,6 +127,8 @@ class StepTimer:
         """
         inner = getattr(ddp, "_orig_mod", ddp)  # torch.compile's wrapper
         if not isinstance(inner, DDP):
+            # FSDP2 has no comm hooks: its reduce-scatter cannot be stamped, so comm_wait_s is left
+            # out (exposed_comm_s, from the micro-batches' backward times, still applies).
             return
         group = inner.process_group
 
