@@ -29,6 +29,7 @@ FIGURES = [
     "overlap",
     "checkpoint",
     "checkpoint_ranks",
+    "fsdp",
     "data",
     "tracking",
     "prepare",

@@ -92,6 +92,10 @@ class ModelConfig(_Section):
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Built-in GPT: dropout probability.")
     bias: bool = Field(False, description="Built-in GPT: biases in Linear and LayerNorm layers.")
+    shard_units: list[str] = Field(
+        default_factory=list,
+        description="dist.strategy fsdp/hsdp: class names of the submodules sharded as one unit each (e.g. your transformer block); the built-in GPT and HF models need none.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -135,6 +139,13 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    activation_checkpointing: Literal["none", "full", "every_n"] = Field(
+        "none",
+        description="full: recompute each shard unit's activations in backward instead of keeping them (less memory, ~1/3 more compute); every_n: only every activation_checkpointing_every-th unit (1st, n+1-th, ...).",
+    )
+    activation_checkpointing_every: int = Field(
+        2, ge=1, description="activation_checkpointing=every_n: checkpoint one shard unit in this many."
+    )
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (and at the end); 0 disables.")
     eval_batches: int = Field(8, ge=1, description="Micro-batches per rank per evaluation.")
     on_nonfinite: Literal["skip", "stop"] = Field(
@@ -185,6 +196,19 @@ class ScheduleConfig(_Section):
 
 
 class DistConfig(_Section):
+    strategy: Literal["ddp", "fsdp", "hsdp"] = Field(
+        "ddp",
+        description="ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups.",
+    )
+    cpu_release_memory: bool = Field(
+        False,
+        description="fsdp/hsdp on CPU: fix glibc's mmap threshold at 1 MiB so freed all-gather/reduce buffers return to the system (measured: peak RSS 0.44x DDP's instead of 0.87x, steps up to ~2.8x slower).",
+    )
+    shard_size: int | None = Field(
+        None,
+        ge=1,
+        description="hsdp: ranks per shard group (typically the ranks of one node); must divide the world size.",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Process-group backend; auto picks NCCL when CUDA is available, else gloo."
     )
@@ -341,6 +365,20 @@ class Config(_Section):
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
+    @model_validator(mode="after")
+    def _sharding_fits(self) -> Config:
+        d = self.dist
+        if d.strategy == "hsdp" and d.shard_size is None:
+            raise ValueError(
+                "dist.strategy=hsdp needs dist.shard_size (ranks per shard group, e.g. the ranks of one node)"
+            )
+        if d.shard_size is not None and d.strategy != "hsdp":
+            raise ValueError(f"dist.shard_size applies to dist.strategy=hsdp only (strategy is {d.strategy})")
+        if d.strategy != "ddp" and self.train.precision == "fp16":
+            # FSDP2 has no sharded GradScaler in this trainer: bf16 needs no loss scaling.
+            raise ValueError(f"train.precision=fp16 is not supported with dist.strategy={d.strategy}; use bf16")
+        return self
+
     @property
     def run_dir(self) -> Path:
         """The resolved output folder of this run."""
@@ -356,6 +394,16 @@ class Config(_Section):
                 f"pick a global batch that is a multiple of {per_step}"
             )
         return self.train.global_batch_size // per_step
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (ConfigError) a world size the batch or the shard groups cannot split over."""
+        self.grad_accum_steps(world_size)
+        d = self.dist
+        if d.strategy == "hsdp" and world_size % (d.shard_size or world_size):
+            raise ConfigError(
+                f"dist.shard_size={d.shard_size} does not divide the world size {world_size}; "
+                "hsdp needs whole shard groups (e.g. the ranks of one node)"
+            )
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, as written to run.dir/config.yaml."""

@@ -11,7 +11,10 @@ would deadlock the job):
  3. data                     the default corpus (local rank 0 prepares, any_rank agrees), datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
- 4. model                    seeded identically on every rank, wrapped: DDP broadcasts rank 0's weights
+ 4. model                    seeded identically on every rank, wrapped (train/parallel.py): DDP broadcasts
+                             rank 0's weights; fsdp shards each rank's copy in place (fully_shard runs
+                             no collective; its mesh is the training group); hsdp first creates the
+                             mesh's replicate and shard groups (init_device_mesh: new_group calls)
  5. optimizer and schedule   inside the Trainer; trainer.setup(): the stop agreement's gloo group
                             (a new group only next to NCCL; gloo runs reuse the training group)
  6. checkpointer.setup()     the checkpoints' own gloo group
@@ -38,6 +41,7 @@ from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.compat import run_identity
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
@@ -253,7 +257,9 @@ def _build(
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
     config = cfg.model_dump(mode="json", by_alias=True)
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets))
+    # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
+    writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets), writer)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()
@@ -361,7 +367,7 @@ def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
     env = read_torchrun_env()
-    cfg.grad_accum_steps(env[1] if env else 1)  # fail on an indivisible batch before any rendezvous
+    cfg.check_world_size(env[1] if env else 1)  # fail on an indivisible batch or shard group before any rendezvous
     enable_flight_recorder(cfg.run_dir / "stacks")  # torch reads it when the process group is created
     ctx = init_distributed(cfg.dist)
     try:

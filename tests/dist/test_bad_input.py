@@ -58,3 +58,24 @@ def test_bad_input_under_torchrun_exits_2_on_every_rank(tiny_args: list[str]) ->
     assert result.returncode != 0
     assert "train.global_batch_size=12 is not divisible" in result.stderr
     assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr.replace(" ", "")
+
+
+@pytest.mark.timeout(120)
+def test_sharding_that_cannot_run_exits_2_on_every_rank(tiny_args: list[str], tmp_path: Path) -> None:
+    # A shard group size that does not divide the world: refused before the rendezvous.
+    bad_groups = run_ddptrain(["train", *tiny_args, "dist.strategy=hsdp", "dist.shard_size=3"], nproc=2)
+    # A user's model under fsdp with no shard units named: refused while wrapping, on every rank alike.
+    toy = ["model.target=toy:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
+           "train.global_batch_size=8", "train.max_steps=2", f"run.dir={tmp_path / 'toy'}"]  # fmt: skip
+    no_units = run_ddptrain(["train", *toy, "dist.strategy=fsdp"], nproc=2)
+    for result, message in (
+        (bad_groups, "dist.shard_size=3 does not divide the world size 2"),
+        (no_units, "cannot tell which submodules of RecordingRegressor to shard or checkpoint: set model.shard_units"),
+    ):
+        # One line per rank (the two ranks' lines may interleave on the shared stderr).
+        assert result.stderr.count("ddptrain train: error:") == result.stderr.count(message) == 2, result.stderr[-3000:]
+        # Both ranks printed their line; torchrun may SIGTERM the second before its own exit 2 lands,
+        # so only the first failure's exit code is certain.
+        assert result.returncode != 0 and "exitcode:2" in result.stderr.replace(" ", ""), result.stderr[-3000:]
+        # The one traceback is torchrun's agent reporting the failed workers; the workers print none.
+        assert result.stderr.count("Traceback") == 1 and "ChildFailedError" in result.stderr

@@ -1,4 +1,4 @@
-"""Two ranks under torchrun (real DDP, the built-in GPT, a stop request installed): no host sync on unlogged steps."""
+"""Two ranks under torchrun (real DDP and FSDP, the built-in GPT, a stop request installed): no host sync on unlogged steps."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ STEPS, LOG_EVERY = 9, 4
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_make_no_host_sync_on_unlogged_steps(corpus_dir: Path, tmp_path: Path) -> None:
-    overrides = [*TINY, f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_make_no_host_sync_on_unlogged_steps(strategy: str, corpus_dir: Path, tmp_path: Path) -> None:
+    # Under fsdp the clipped norm is a DTensor made full by an all-reduce: a collective, not a host read.
+    overrides = [*TINY, f"dist.strategy={strategy}", f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
                  f"log.every_steps={LOG_EVERY}", "ckpt.every_steps=0", "log.straggler_every=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(TESTS_DIR / "sync_worker.py"), str(tmp_path), *overrides]

@@ -74,6 +74,13 @@ BAD_VALUES = [
     ("log.peak_tflops=-1", "log.peak_tflops"),
     ("model.dropout=1", "model.dropout"),
     ("model.n_layer=0", "model.n_layer"),
+    ("dist.strategy=zero3", "dist.strategy"),
+    ("dist.strategy=hsdp", "dist.strategy=hsdp needs dist.shard_size"),
+    ("dist.shard_size=2", "dist.shard_size applies to dist.strategy=hsdp only"),
+    ("dist.shard_size=0", "dist.shard_size"),
+    ("model.shard_units=Block", "model.shard_units: Input should be a valid list"),
+    ("train.activation_checkpointing=some", "train.activation_checkpointing"),
+    ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every"),
     ("train.bogus=1", "unknown key 'train.bogus'"),
     ("train=3", "train"),
     ("train.max_steps.deeper=3", "is a value, not a section"),
@@ -85,6 +92,24 @@ def test_train_refuses_values_that_cannot_train(
     override: str, message: str, tiny: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_one_line_exit_2(["train", *tiny, override], message, capsys)
+
+
+SHARDING = [
+    (["dist.strategy=fsdp", "train.precision=fp16"], "train.precision=fp16 is not supported with dist.strategy=fsdp"),
+    (["dist.strategy=hsdp", "dist.shard_size=3"], "dist.shard_size=3 does not divide the world size 1"),
+    # Shard units are looked up for activation checkpointing too, so a single process sees the typo.
+    (
+        ["model.shard_units=[Blok]", "train.activation_checkpointing=full"],
+        "model.shard_units ['Blok'] match no submodule",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), SHARDING)
+def test_train_refuses_sharding_that_cannot_run(
+    overrides: list[str], message: str, tiny: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_exit_2(["train", *tiny, *overrides], message, capsys)
 
 
 def write(path: Path, data: bytes) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddptrain.checkpoint.manifest import MANIFEST
 from ddptrain.checkpoint.store import select_checkpoint
@@ -56,13 +57,18 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str, bool]:
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor's own data_ptr does not tell tied tensors apart; its local shard's does.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def load_matching(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy state into model, which must match it exactly (tensors tied in the model may come once)."""
     expected = model.state_dict()
     by_storage: dict[int, list[str]] = {}
     for name, t in expected.items():
-        by_storage.setdefault(t.data_ptr(), []).append(name)
-    missing = [n for n in expected if not any(alias in state for alias in by_storage[expected[n].data_ptr()])]
+        by_storage.setdefault(_local(t).data_ptr(), []).append(name)
+    missing = [n for n in expected if not any(alias in state for alias in by_storage[_local(expected[n]).data_ptr()])]
     unexpected = [n for n in state if n not in expected]
     shapes = [
         f"{n} {tuple(state[n].shape)} vs {tuple(t.shape)}"
@@ -78,8 +84,11 @@ def load_matching(model: nn.Module, state: dict[str, torch.Tensor], source: str)
         raise CheckpointError(f"model.init_from={source!r} does not match the model: {'; '.join(problems)}")
     with torch.no_grad():
         for name, t in expected.items():
-            source_name = name if name in state else next(a for a in by_storage[t.data_ptr()] if a in state)
-            t.copy_(state[source_name].to(t.dtype))
+            source_name = name if name in state else next(a for a in by_storage[_local(t).data_ptr()] if a in state)
+            value = state[source_name].to(t.device, t.dtype)
+            if isinstance(t, DTensor):  # FSDP: every rank holds the full value and keeps its own shard of it
+                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(value)
 
 
 def init_weights_from(model: nn.Module, source: str, model_cfg: Any) -> str:

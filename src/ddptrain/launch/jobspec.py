@@ -99,7 +99,7 @@ def check_batch_split(cfg: Config, nodes: range, nproc_per_node: int) -> None:
     """Refuse a job whose global batch does not split over every world size it may run at."""
     for n in nodes:
         try:
-            cfg.grad_accum_steps(n * nproc_per_node)
+            cfg.check_world_size(n * nproc_per_node)
         except ConfigError as e:
             raise ConfigError(f"at {n} node(s) x {nproc_per_node} process(es): {e}") from None
 

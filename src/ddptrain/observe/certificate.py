@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ddptrain.data.sampler import ResumableDistributedSampler
 
@@ -26,7 +27,10 @@ FILE = "certificate.jsonl"
 
 
 def _digest_parts(name: str, t: torch.Tensor, names: list[str], parts: list[torch.Tensor]) -> None:
-    flat = t.detach().reshape(-1)
+    # Under FSDP (DTensor) rank 0 digests its own shard: reading the full tensor would be a
+    # collective that only rank 0 enters.
+    local = t.to_local() if isinstance(t, DTensor) else t
+    flat = local.detach().reshape(-1)
     stride = max(1, flat.numel() // SLICE)
     names.append(name)
     parts.append(torch.stack([flat.sum(dtype=torch.float64), flat[::stride][:SLICE].sum(dtype=torch.float64)]))

@@ -121,9 +121,14 @@ class StepTimer:
         return time.perf_counter()
 
     def attach(self, ddp: nn.Module) -> None:
-        """Register the bucket-stamping comm hook on a DDP module (before its first forward)."""
+        """Register the bucket-stamping comm hook on a DDP module (before its first forward).
+
+        A sharded (FSDP2) module takes no comm hook: nothing is attached, and comm_wait_s is left out.
+        """
         inner = getattr(ddp, "_orig_mod", ddp)  # torch.compile's wrapper
         if not isinstance(inner, DDP):
+            # FSDP2 has no comm hooks: its reduce-scatter cannot be stamped, so comm_wait_s is left
+            # out (exposed_comm_s, from the micro-batches' backward times, still applies).
             return
         group = inner.process_group
 

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
@@ -37,12 +38,14 @@ from ddptrain.observe.triage import Triage
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.evaluation import evaluate_loss
 from ddptrain.train.nonfinite import NonFiniteSteps
-from ddptrain.train.optim import build_optimizer, load_optimizer_state
+from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
 from ddptrain.train.precision import Precision
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
+from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
+from ddptrain.train.sharding import full_state, is_sharded, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +180,11 @@ class Trainer:
         for micro in range(self.accum):
             batch = self.next_batch()
             self.timer.lap("data")
-            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() skips
-            # their all-reduce, and the last backward all-reduces the sum once.
+            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() (DDP) or
+            # FSDP2's gradient sync switch skips their all-reduce/reduce-scatter; the last backward
+            # reduces the sum once.
             last = micro == self.accum - 1
+            set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 loss = _call(self.ddp, batch, self.model_name) / self.accum
@@ -190,9 +195,10 @@ class Trainer:
         self.sampler.advance()
         self.precision.unscale_(self.optimizer)
         # After DDP's all-reduce every rank holds the same gradients, so every rank computes the
-        # same norm: the finite check below is agreed on by all ranks without a collective.
+        # same norm: the finite check below is agreed on by all ranks without a collective. Under
+        # FSDP the norm is a DTensor over gradient shards; local_norm all-reduces it to the same value.
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = local_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         skipped = self.nonfinite.check(norm, self.step + 1)  # stays 0. with fp16: the scaler skips overflows
         if self.cfg.train.on_nonfinite == "stop" and self.logs_at(self.step + 1):
             self.nonfinite.stop_if_any(self.step + 1)
@@ -221,10 +227,15 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Rank-independent training state (model, optimizer, schedule, scaler, data position)."""
+        """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
+        or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
+        if self.checkpointer.writer.name == DcpWriter.name:
+            model_state, optim_state = sharded_state(self.model, self.optimizer)
+        else:
+            model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "trainer": {
                 "step": self.step,
                 "scheduler": self.scheduler.state_dict(),
@@ -235,9 +246,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore state_dict(); the data stream continues at the next global sample."""
-        self.model.load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        """Restore state_dict() (model and optimizer: full state; absent when resume() loaded them from DCP);
+        the data stream continues at the next global sample."""
+        if "model" in state:
+            optim_state = state["optimizer"]
+            if is_sharded(self.model):  # a DDP checkpoint's optimizer state is keyed by index; FSDP's by name
+                optim_state = by_name(optim_state, self.model, self.optimizer)
+            load_full_state(self.model, self.optimizer, state["model"], optim_state)
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
@@ -266,7 +281,14 @@ class Trainer:
         self.checkpointer.save(self.step, self.state_dict(), {"rng": rng_state()})
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
-        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged."""
+        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
+
+        Any strategy resumes any checkpoint: a full state (sharded, rank0-torch) is sharded on load under
+        FSDP; a dcp checkpoint fills this run's own form of the state (DTensor shards under FSDP, whole
+        tensors under DDP), DCP reading the slices each rank needs, whatever world size saved it.
+        """
+        if ckpt.manifest.writer == DcpWriter.name:
+            load_dcp(self.checkpointer, ckpt, self.model, self.optimizer)
         shared, local = self.checkpointer.read(ckpt)
         self.load_state_dict(shared)
         if local is not None:
