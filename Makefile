@@ -26,8 +26,12 @@ $(STAMP): pyproject.toml
 train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
+# Two pytest workers: most tests wait on child processes, sockets and timeouts rather than the CPU,
+# so two share 2 cores well (the cluster tests stay on one worker, in order: conftest.py).
+TEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q -m "not measure" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not measure" tests
 
 # The straggler detection targets of issue 17, measured (minutes; needs a quiet machine).
 test-measure: venv

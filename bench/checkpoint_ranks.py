@@ -8,6 +8,9 @@ step; identical on both ranks, as under DDP). Interleaved rounds, the order alte
   rank0-torch checkpoints vs torch.load + restore of one torch.save file of the same state: on both
   ranks at once (a 2-rank resume) and on rank 0 alone while rank 1 waits (one process: export,
   a resume at world size 1).
+- FSDP: the same model fully_shard-ed over the 2 ranks (each holds half of the state), saved with
+  the dcp writer (sync, and async blocked time) and verified-loaded into the sharded model, vs the
+  sharded writer's DDP figures above.
 Files go to runs/bench on the repository's disk (fsync reaches the device); loads read warm files.
 """
 
@@ -24,13 +27,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 from bench.common import Options, Row, Variant, interleave, run_job, summary
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.checkpoint.writer import WRITERS
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
-from ddptrain.models.gpt import GPT
+from ddptrain.models.gpt import GPT, Block
+from ddptrain.train.sharded_state import load_dcp, sharded_state
 
 WRITER_NAMES = ("sharded", "rank0-torch")
 
@@ -40,13 +47,12 @@ class _Worker:
 
     def __init__(self, ctx: DistContext, folder: Path, large: bool) -> None:
         self.ctx, self.folder, self.n = ctx, folder, 0
-        torch.manual_seed(0)
-        shape = dict(n_layer=6, n_head=4, n_embd=352) if large else dict(n_layer=1, n_head=2, n_embd=32)
-        self.model = GPT(ModelConfig(**shape, block_size=64, dropout=0.0))  # type: ignore[arg-type]
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-        self.model(x, x).backward()
-        self.opt.step()  # the AdamW moments exist now
+        self.model, self.opt = self._trained(large, sharded=False)
+        self.fsdp, self.fsdp_opt = self._trained(large, sharded=True)
+        self.dcp = {
+            a: Checkpointer(CkptConfig(async_save=a, keep=2), folder / f"dcp-{a}", ctx, {}, writer=DcpWriter())
+            for a in (False, True)
+        }
         self.ckpts = {
             (w, a): Checkpointer(
                 CkptConfig(async_save=a, keep=2), folder / f"{w}-{'async' if a else 'sync'}", ctx, {}, writer=WRITERS[w]
@@ -54,7 +60,7 @@ class _Worker:
             for w in WRITER_NAMES
             for a in (False, True)
         }
-        for c in self.ckpts.values():
+        for c in [*self.ckpts.values(), *self.dcp.values()]:
             c.setup()
         self.file = folder / "torch-save.pt"
         if ctx.is_main:
@@ -63,6 +69,48 @@ class _Worker:
                 f.flush()
                 os.fsync(f.fileno())
         self.newest: dict[str, Path] = {}
+
+    @staticmethod
+    def _trained(large: bool, sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The GPT after one AdamW step (the moments exist); sharded: fully_shard per block over both ranks."""
+        torch.manual_seed(0)
+        shape = dict(n_layer=6, n_head=4, n_embd=352) if large else dict(n_layer=1, n_head=2, n_embd=32)
+        model = GPT(ModelConfig(**shape, block_size=64, dropout=0.0))  # type: ignore[arg-type]
+        if sharded:
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # type: ignore[arg-type]
+            for block in [m for m in model.modules() if isinstance(m, Block)]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+        model(x, x).backward()
+        opt.step()
+        return model, opt
+
+    def save_dcp(self, is_async: bool) -> float:
+        """The dcp writer's save of this rank's FSDP shards (the slowest rank's time; async: blocked time)."""
+        ckpt = self.dcp[is_async]
+        self.n += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        m, o = sharded_state(self.fsdp, self.fsdp_opt)
+        ckpt.save(self.n, {"model": m, "optimizer": o, "trainer": {"step": self.n}}, {"rng": {"rank": self.ctx.rank}})
+        seconds = time.perf_counter() - t0
+        ckpt.wait()
+        (result,) = ckpt.finished()
+        assert result.ok and result.path is not None, result.error
+        if not is_async:
+            self.newest["dcp"] = result.path
+        return self.slowest(seconds)
+
+    def load_dcp(self) -> float:
+        """Both ranks: verify the newest dcp checkpoint and load it into the sharded model and optimizer."""
+
+        def work() -> None:
+            ckpt = verify_checkpoint(self.newest["dcp"])
+            load_dcp(self.dcp[False], ckpt, self.fsdp, self.fsdp_opt)
+
+        return self._timed_load(work, 2)
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "trainer": {"step": self.n}}
@@ -122,11 +170,15 @@ def worker(out: Path, folder: Path, rounds: int, warmup: int, large: bool) -> No
     w = _Worker(ctx, folder, large)
     for writer in WRITER_NAMES:
         w.save(writer, False)  # the loads need a checkpoint from the start
+    w.save_dcp(False)
     variants: dict[str, Callable[[], float]] = {
         "sharded sync": lambda: w.save("sharded", False),
         "rank0 sync": lambda: w.save("rank0-torch", False),
         "sharded async": lambda: w.save("sharded", True),
         "rank0 async": lambda: w.save("rank0-torch", True),
+        "dcp sync": lambda: w.save_dcp(False),
+        "dcp async": lambda: w.save_dcp(True),
+        "dcp load x2": w.load_dcp,
     }
     for ranks in (2, 1):
         variants[f"torch.load x{ranks}"] = lambda r=ranks: w.load_torch(r)  # type: ignore[misc]
@@ -193,6 +245,15 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
                     f"{ms[f'{writer} load x{ranks}']:.0f} ms vs {ms[f'torch.load x{ranks}']:.0f} ms",
                 )
             )
+    for what, num, den in (
+        ("sync save time, dcp (FSDP shards) / sharded (DDP)", "dcp sync", "sharded sync"),
+        ("async blocked time, dcp / sharded", "dcp async", "sharded async"),
+        ("verified load time, dcp into FSDP / sharded into DDP, both ranks", "dcp load x2", "sharded load x2"),
+    ):
+        r = _ratio(t, num, den)
+        rows.append(
+            Row("checkpoint (2 ranks)", what, r, "x", "reported", None, f"{ms[num]:.0f} ms vs {ms[den]:.0f} ms")
+        )
     return rows, data
 
 

@@ -12,12 +12,29 @@ from helpers import TESTS_DIR, TINY, prepare_tiny_corpus
 FOLDER_MARKERS = {"dist": pytest.mark.dist, "cluster": pytest.mark.cluster}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test in tests/dist with `dist` and every test in tests/cluster with `cluster`."""
     for item in items:
         folder = item.path.relative_to(TESTS_DIR).parts[0] if item.path.is_relative_to(TESTS_DIR) else ""
         if folder in FOLDER_MARKERS and item.get_closest_marker(folder) is None:
             item.add_marker(FOLDER_MARKERS[folder])
+        if folder == "cluster":
+            # Under pytest-xdist (`make test`), the cluster tests run one after another on one worker:
+            # they build namespace hosts, bridges and services with fixed names and addresses.
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup`, refuse to run if the cluster tests did not get their group (see above)."""
+    if not session.config.getoption("loadgroup", default=False):
+        return
+    ungrouped = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {ungrouped[0]} (and {len(ungrouped) - 1} more): cluster tests would run "
+            "at once; install the pytest and pytest-xdist versions of the dev extra"
+        )
 
 
 @pytest.fixture(scope="session")

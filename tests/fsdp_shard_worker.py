@@ -2,8 +2,8 @@
 
 Builds a DDP run and an FSDP run of the same model through build_run, trains one step in each (so
 the optimizer state exists), and writes OUT/rank-r.json: per strategy, the numel this rank holds of
-the parameters and of the optimizer state, the full (global) sizes, and the numel of the full
-state_dict the checkpoint writer receives.
+the parameters and of the optimizer state, the full (global) sizes, and the numel this rank holds
+of the model state the checkpoint writer receives (under FSDP its shards: the dcp writer).
 """
 
 from __future__ import annotations
@@ -36,14 +36,13 @@ def measure(common: list[str], strategy: str, out: Path, ctx: DistContext) -> di
         trainer.train_step()
         params = list(trainer.model.parameters())
         states = [v for p in params for v in trainer.optimizer.state[p].values() if v.dim() > 0]
-        full = trainer.state_dict()
+        saved = trainer.state_dict()
         return {
             "param_local": sum(local_numel(p) for p in params),
             "param_full": sum(p.numel() for p in params),
             "optim_local": sum(local_numel(v) for v in states),
             "optim_full": sum(v.numel() for v in states),
-            "state_dict_model": sum(v.numel() for v in full["model"].values()),
-            "state_dict_sum": float(sum(v.double().sum() for v in full["model"].values())),
+            "state_dict_local": sum(local_numel(v) for v in saved["model"].values()),
         }
     finally:
         run.close()

@@ -486,6 +486,9 @@ def _error_line(command: str, text: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     try:
-        print(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}", file=sys.stderr, flush=True)
+        # One write with its newline: print() writes the newline separately, and under PYTHONUNBUFFERED the
+        # lines of ranks sharing one pipe (torchrun's stderr) could then interleave mid-line.
+        sys.stderr.write(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}\n")
+        sys.stderr.flush()
     except OSError:
         pass  # stderr itself is gone: the exit code still tells

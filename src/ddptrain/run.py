@@ -41,6 +41,7 @@ from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.compat import run_identity
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
@@ -256,7 +257,9 @@ def _build(
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
     config = cfg.model_dump(mode="json", by_alias=True)
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets))
+    # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
+    writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets), writer)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()

@@ -11,7 +11,7 @@ from helpers import final_model_state, read_metrics, run_ddptrain
 pytestmark = pytest.mark.dist
 
 # Two blocks (two shard units) and accumulation 2 at 2 ranks: the first micro-batch's backward skips
-# the reduce-scatter, the second reduces the sum. Final checkpoints come from the full-state bridge.
+# the reduce-scatter, the second reduces the sum. FSDP final checkpoints are dcp, consolidated on reading.
 STEPS = 4
 COMMON = ["model.n_layer=2", "train.global_batch_size=16", f"train.max_steps={STEPS}", "ckpt.every_steps=0"]
 LLAMA = (

@@ -10,6 +10,14 @@ the default, sharded.py):
     manifest.json                          every file's SHA-256 and size, step, world size, timeline,
                                            writer, config, identity, and its own checksum (manifest.py)
 
+FSDP/HSDP runs use the `dcp` writer (dcp_writer.py): every rank's shards through
+torch.distributed.checkpoint, in the same temp folder and under the same protocol:
+
+    __<r>_0.distcp                         written by rank r: its shards of model and optimizer
+    .metadata                              written by rank 0 (DCP); listed as `dcp.metadata`
+    trainer.pt                             written by rank 0: step, schedule, scaler, sampler
+    rng-rank0.pt ... rng-rank{W-1}.pt      as above
+
 Checkpoints of the older `rank0-torch` writer (model.pt, optimizer.pt, trainer.pt by rank 0) load too.
 
 The protocol: every rank writes its files as new files under a new `.tmp-step-00000100/` (never
@@ -42,7 +50,7 @@ from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manife
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
-from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter
+from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter, DcpWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
@@ -95,6 +103,9 @@ class Checkpointer:
         # background thread and must never interleave with the training loop's.
         if self.ctx.is_distributed:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
+        bind = getattr(self.writer, "bind", None)
+        if callable(bind):  # the dcp writer runs DCP's own collectives on this group
+            bind(self._group)
         if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
             for stale in self.dir.glob(f"{TMP_PREFIX}*"):
                 if stale.is_symlink() or not stale.is_dir():
@@ -111,7 +122,8 @@ class Checkpointer:
     # ---- saving -------------------------------------------------------------------------
 
     def save(self, step: int, shared: dict[str, Any], local: dict[str, Any]) -> None:
-        """Checkpoint `step`. shared: the state identical on every rank (each writes its share); local: this rank's.
+        """Checkpoint `step`. shared: the state identical on every rank (each writes its share), or for the dcp
+        writer this rank's shards of it; local: this rank's own.
 
         A synchronous save is committed (or failed) when this returns. An async save first waits
         for the previous one (a save never starts before the previous commit), snapshots the
@@ -286,6 +298,13 @@ class Checkpointer:
         state = writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
         ckpt.release()  # the state now owns the tensors: a second read reads (and verifies) the files again
         return state
+
+    def load_sharded(self, ckpt: VerifiedCheckpoint, state: dict[str, Any]) -> None:
+        """All ranks: fill state ({"model", "optimizer"} as get_state_dict gives them) from a dcp checkpoint.
+
+        DCP reshards: any world size and strategy reads any dcp checkpoint, from verified bytes only.
+        """
+        DcpWriter.load(ckpt, state, self._group)
 
     def _inside_own_folder(self, path: Path) -> bool:
         return path.parent.resolve() == self.dir.resolve()

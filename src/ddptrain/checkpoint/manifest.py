@@ -28,6 +28,10 @@ TMP_PREFIX = ".tmp-step-"
 MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest; a bigger one is not ours
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Files whose names on disk are not plain (DCP's commit marker is a hidden file): the manifest
+# lists them under a plain name, and only these exact names are mapped.
+DCP_METADATA = "dcp.metadata"
+_ON_DISK = {DCP_METADATA: ".metadata"}
 
 
 class ManifestError(CheckpointError):
@@ -50,6 +54,11 @@ def step_of(name: str) -> int | None:
 def is_plain_name(name: object) -> bool:
     """True for a plain file name inside a checkpoint folder: no separators, no '..', no hidden names."""
     return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def disk_name(name: str) -> str:
+    """The file a manifest entry names on disk: the entry itself, or one of the fixed mapped names."""
+    return _ON_DISK.get(name, name)
 
 
 def _canonical(fields: dict[str, Any]) -> bytes:

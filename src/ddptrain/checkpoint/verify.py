@@ -29,6 +29,7 @@ from ddptrain.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    disk_name,
     parse_manifest,
     step_of,
 )
@@ -160,18 +161,20 @@ def read_manifest(path: Path) -> Manifest:
 
 def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter, keep: bool) -> Any:
     """Read one listed file once without following a link, decoding it (keep) while hashing it."""
+    on_disk = disk_name(name)
+    shown = name if on_disk == name else f"{on_disk} (listed as {name})"  # messages name the file a user sees
     try:
-        fd = os.open(path / name, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path / on_disk, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CheckpointError(f"file {name} is missing") from None
+        raise CheckpointError(f"file {shown} is missing") from None
     except OSError as e:
-        raise CheckpointError(f"file {name} is not a readable regular file ({e.strerror or e})") from None
+        raise CheckpointError(f"file {shown} is not a readable regular file ({e.strerror or e})") from None
     with os.fdopen(fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"file {name} is not a readable regular file (not a regular file)")
+            raise CheckpointError(f"file {shown} is not a readable regular file (not a regular file)")
         if st.st_size != entry.size:
-            raise CheckpointError(f"file {name} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)")
+            raise CheckpointError(f"file {shown} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)")
         reader = HashingReader(f, entry.size)
         decoded: Any = None
         problem: str | None = None
@@ -182,11 +185,11 @@ def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter
                 problem = f"{type(e).__name__}: {str(e)[:120]}"
         extra, sha = reader.finish()
     if extra > 0:
-        raise CheckpointError(f"file {name} grew while it was read (the manifest says {entry.size} bytes)")
+        raise CheckpointError(f"file {shown} grew while it was read (the manifest says {entry.size} bytes)")
     if sha != entry.sha256:
-        raise CheckpointError(f"file {name} does not match its SHA-256 in the manifest (corrupted)")
+        raise CheckpointError(f"file {shown} does not match its SHA-256 in the manifest (corrupted)")
     if problem is not None:
-        raise CheckpointError(f"file {name} cannot be loaded ({problem})")
+        raise CheckpointError(f"file {shown} cannot be loaded ({problem})")
     return decoded
 
 

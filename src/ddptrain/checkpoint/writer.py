@@ -8,8 +8,9 @@ Trainer hands every rank `shared` (identical on every rank: model, optimizer, tr
 steps: verify.py reads every listed file once, hashing it while the writer's decode() turns its
 bytes into objects; only when every hash matched does read() assemble the state from them.
 
-Writers: `sharded` (sharded.py, the default: every rank writes its share of the tensors) and
-`rank0-torch` (below: rank 0 writes everything; older checkpoints, still read).
+Writers: `sharded` (sharded.py, the default: every rank writes its share of the tensors), `dcp`
+(dcp_writer.py: FSDP/HSDP runs, torch.distributed.checkpoint's shards) and `rank0-torch` (below:
+rank 0 writes everything; older checkpoints, still read).
 """
 
 from __future__ import annotations
@@ -154,8 +155,9 @@ def read_local(ckpt: VerifiedCheckpoint, rank: int, world_size: int) -> dict[str
     return {k: ckpt.load(f"{k}-rank{rank}.pt") for k in LOCAL_KEYS}
 
 
-# The sharded writer builds on the helpers above, so it is imported after them.
+# The sharded and dcp writers build on the helpers above, so they are imported after them.
+from ddptrain.checkpoint.dcp_writer import DcpWriter as DcpWriter  # noqa: E402
 from ddptrain.checkpoint.sharded import ShardedWriter  # noqa: E402
 
-WRITERS: dict[str, CheckpointWriter] = {w.name: w for w in (RankZeroTorchWriter(), ShardedWriter())}
+WRITERS: dict[str, CheckpointWriter] = {w.name: w for w in (RankZeroTorchWriter(), ShardedWriter(), DcpWriter())}
 DEFAULT_WRITER = ShardedWriter.name

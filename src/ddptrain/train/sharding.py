@@ -159,28 +159,8 @@ def load_full_state(
     """Restore full_state()'s output; under FSDP each rank keeps its own shard of it."""
     if not is_sharded(model):
         model.load_state_dict(model_state)
-        load_optimizer_state(optimizer, _keyed(optim_state, model, optimizer, by_name=False))
+        load_optimizer_state(optimizer, optim_state)
         return
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, _keyed(optim_state, model, optimizer, by_name=True), options=options)
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
-def _keyed(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, by_name: bool) -> dict[str, Any]:
-    """An optimizer state keyed by parameter name (full_state's, under FSDP) or by index (torch's own).
-
-    A checkpoint of the other strategy is re-keyed: indices become names by position (both strategies
-    build the optimizer's groups alike from model.parameters()), names become indices by name.
-    """
-    ours = _param_names(model, optimizer)
-    saved = [k for g in state["param_groups"] for k in g["params"]]
-    if not saved or isinstance(saved[0], str) == by_name or len(saved) != len(ours):
-        return state  # already keyed this way (or not ours to fix: the load reports it)
-    key: dict[Any, Any] = dict(zip(saved, ours)) if by_name else {n: i for i, n in enumerate(ours)}
-    groups = [{**g, "params": [key[k] for k in g["params"]]} for g in state["param_groups"]]
-    return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)

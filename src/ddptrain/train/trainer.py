@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
+from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
@@ -43,7 +44,8 @@ from ddptrain.train.precision import Precision
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
-from ddptrain.train.sharding import full_state, load_full_state, local_norm, set_gradient_sync
+from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
+from ddptrain.train.sharding import full_state, is_sharded, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +227,12 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Rank-independent training state (model, optimizer, schedule, scaler, data position)."""
-        model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
+        """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
+        or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
+        if self.checkpointer.writer.name == DcpWriter.name:
+            model_state, optim_state = sharded_state(self.model, self.optimizer)
+        else:
+            model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
         return {
             "model": model_state,
             "optimizer": optim_state,
@@ -240,8 +246,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore state_dict(); the data stream continues at the next global sample."""
-        load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        """Restore state_dict() (model and optimizer: full state; absent when resume() loaded them from DCP);
+        the data stream continues at the next global sample."""
+        if "model" in state:
+            optim_state = state["optimizer"]
+            if is_sharded(self.model):  # a DDP checkpoint's optimizer state is keyed by index; FSDP's by name
+                optim_state = by_name(optim_state, self.model, self.optimizer)
+            load_full_state(self.model, self.optimizer, state["model"], optim_state)
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
@@ -270,7 +281,14 @@ class Trainer:
         self.checkpointer.save(self.step, self.state_dict(), {"rng": rng_state()})
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
-        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged."""
+        """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
+
+        Any strategy resumes any checkpoint: a full state (sharded, rank0-torch) is sharded on load under
+        FSDP; a dcp checkpoint fills this run's own form of the state (DTensor shards under FSDP, whole
+        tensors under DDP), DCP reading the slices each rank needs, whatever world size saved it.
+        """
+        if ckpt.manifest.writer == DcpWriter.name:
+            load_dcp(self.checkpointer, ckpt, self.model, self.optimizer)
         shared, local = self.checkpointer.read(ckpt)
         self.load_state_dict(shared)
         if local is not None:

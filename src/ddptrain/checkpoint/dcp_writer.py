@@ -1,0 +1,201 @@
+"""The `dcp` checkpoint format: FSDP/HSDP runs save their sharded state with torch.distributed.checkpoint.
+
+Files of one checkpoint (all in the same `.tmp-step-N/` folder, committed by the usual protocol):
+
+    __<r>_0.distcp         rank r: its shards of the model and optimizer (DCP's FileSystemWriter)
+    .metadata              rank 0 (DCP's coordinator): which shard lies where; listed in the
+                           manifest as `dcp.metadata` (manifest names are never hidden names)
+    trainer.pt             rank 0: step, scheduler, scaler, sampler (identical on every rank)
+    rng-rank<r>.pt         rank r: its own RNG streams
+
+DCP itself checksums nothing and takes `.metadata` as its commit marker; here every rank hashes
+the DCP files it wrote, the manifest lists them all, and rank 0 commits only after every rank
+agreed (checkpointer.py). DCP's collectives run on the checkpointer's own gloo group, also in an
+async save's background thread.
+
+Loading never reads a byte that was not verified: verify.py reads and hashes every listed file
+once and keeps its bytes; DCP's reader is then served those bytes (VerifiedFiles), not the files
+on disk, so a file changed after verification is never seen and an unlisted one is refused.
+DCP reshards on load: the state to fill (sharded DTensors under FSDP, plain tensors under DDP or
+export) decides which slices each rank takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, disk_name
+from ddptrain.checkpoint.writer import local_files, local_required, read_local, to_cpu, write_all
+from ddptrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
+
+TRAINER = "trainer.pt"
+SHARDED_KEYS = ("model", "optimizer")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+@contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """DCP warns when it saves or loads without a process group: in one process that is what is asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def hash_file(path: Path) -> FileEntry:
+    """SHA-256 and size of a file this rank just wrote (never through a link)."""
+    sha, size = hashlib.sha256(), 0
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(4 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return FileEntry(sha.hexdigest(), size)
+
+
+class VerifiedFiles(FileSystem):
+    """DCP's file system, read-only, over a verified checkpoint's kept bytes: nothing comes from disk."""
+
+    def __init__(self, ckpt: VerifiedCheckpoint) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        """The verified bytes of the listed file named by path (content() refuses an unlisted one)."""
+        if mode != "rb":
+            raise CheckpointError(f"{self.ckpt.path.name}: DCP asked to open {Path(path).name} for writing")
+        name = Path(path).name
+        data = self.ckpt.content(DCP_METADATA if name == disk_name(DCP_METADATA) else name)
+        if not isinstance(data, bytes):
+            raise CheckpointError(f"{self.ckpt.path.name}: {name} was not kept as bytes")
+        yield io.BytesIO(data)
+
+
+def verified_reader(ckpt: VerifiedCheckpoint) -> FileSystemReader:
+    """A DCP reader of ckpt whose every read is served from verified bytes."""
+    reader = FileSystemReader(ckpt.path)
+    # FileSystemReader reads the metadata and every shard through `self.fs`: replacing it keeps
+    # DCP's own decoding (offsets, transforms) while the bytes are those verify.py hashed. Should a
+    # torch release stop reading through `fs`, tests/unit/test_checkpoint_dcp.py fails: it changes a
+    # shard file after verification and requires the load to still see the verified bytes.
+    reader.fs = VerifiedFiles(ckpt)
+    return reader
+
+
+def load_sharded(ckpt: VerifiedCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Fill `state` ({"model": ..., "optimizer": ...} in get_state_dict's form) in place from a dcp checkpoint.
+
+    All ranks together (DCP plans the load on `group`); group None loads in this process alone.
+    """
+    try:
+        with _one_process_is_meant():
+            dcp_load(state, storage_reader=verified_reader(ckpt), process_group=group, no_dist=group is None)
+    except CheckpointError:
+        raise
+    except Exception as e:  # verified bytes DCP cannot fit into this model: a format or shape problem
+        raise CheckpointError(f"{ckpt.path.name}: DCP cannot load it ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def model_template(metadata: Metadata) -> dict[str, torch.Tensor]:
+    """Empty full-size tensors for every `model.*` entry of a DCP checkpoint (what export fills)."""
+    prefix = "model."
+    return {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+class DcpWriter:
+    """Model and optimizer through DCP (every rank its shards), trainer state by rank 0, RNG by every rank."""
+
+    name = "dcp"
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None  # the checkpointer's own gloo group (bind)
+
+    def bind(self, group: dist.ProcessGroup | None) -> None:
+        """The group DCP's collectives run on: the checkpointer's, never the training loop's."""
+        self.group = group
+
+    def snapshot(
+        self, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """CPU copies of this rank's shards (a DTensor copies its local shard) and of the rest."""
+        return to_cpu(shared), to_cpu(local)
+
+    def write(
+        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+    ) -> dict[str, FileEntry]:
+        """dcp.save of model and optimizer (a collective), then this rank's other files; every file hashed."""
+        # One file per rank (one writer thread): `__<rank>_0.distcp`, which required() names.
+        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        sharded = {k: shared[k] for k in SHARDED_KEYS}
+        with _one_process_is_meant():
+            metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+        # The files DCP says this rank wrote (`__<rank>_*`), hashed after DCP fsynced them.
+        written = {info.relative_path for info in metadata.storage_data.values()}
+        mine = sorted(n for n in written if n.startswith(f"__{rank}_"))
+        entries = {n: hash_file(folder / n) for n in mine}
+        items = local_files(rank, local)
+        if rank == 0:
+            entries[DCP_METADATA] = hash_file(folder / disk_name(DCP_METADATA))
+            items[TRAINER] = shared["trainer"]
+        entries.update(write_all(folder, items))
+        return entries
+
+    def required(self, world_size: int) -> set[str]:
+        """DCP's metadata, every rank's shard file (one each: one writer thread), the trainer state, the rng files.
+
+        Listing every shard file here rejects a manifest that lost one at verification (and falls back),
+        instead of failing later inside DCP's load.
+        """
+        shards = {f"__{r}_0.distcp" for r in range(world_size)}
+        return {DCP_METADATA, TRAINER} | shards | local_required(world_size)
+
+    def decode(self, name: str, reader: HashingReader) -> Any:
+        """Every file's bytes: DCP and torch.load read them only once all were verified."""
+        return reader.read_all()
+
+    @staticmethod
+    def load(ckpt: VerifiedCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+        """load_sharded (below), for the checkpointer, which reaches the writers through writer.py."""
+        load_sharded(ckpt, state, group)
+
+    def metadata(self, ckpt: VerifiedCheckpoint) -> Metadata:
+        """DCP's metadata of ckpt, from its verified bytes."""
+        metadata: Metadata = verified_reader(ckpt).read_metadata()
+        return metadata
+
+    def read_shared(self, ckpt: VerifiedCheckpoint, key: str) -> Any:
+        """'trainer'; or 'model' consolidated into full tensors in this process (export, generate)."""
+        if key == "trainer":
+            return ckpt.load(TRAINER)
+        if key != "model":
+            raise CheckpointError(f"{ckpt.path.name}: a dcp checkpoint's {key!r} state loads into a live run only")
+        state = {"model": model_template(self.metadata(ckpt))}
+        self.load(ckpt, state, None)
+        return state["model"]
+
+    def read(
+        self, ckpt: VerifiedCheckpoint, rank: int, world_size: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The trainer state and this rank's local state; model and optimizer come through load_sharded."""
+        return {"trainer": ckpt.load(TRAINER)}, read_local(ckpt, rank, world_size)

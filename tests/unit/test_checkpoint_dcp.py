@@ -1,0 +1,66 @@
+"""The dcp format's manifest and verification pieces, in one process (DCP without a process group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddptrain.checkpoint import verify_checkpoint
+from ddptrain.checkpoint.dcp_writer import DcpWriter, load_sharded
+from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, Manifest, disk_name, is_plain_name
+from ddptrain.checkpoint.verify import VerifiedCheckpoint
+from ddptrain.errors import CheckpointError
+
+
+def test_dcp_metadata_is_listed_under_a_plain_name_mapped_to_its_hidden_file() -> None:
+    assert not is_plain_name(".metadata")  # hidden names stay refused as manifest entries
+    assert is_plain_name(DCP_METADATA) and disk_name(DCP_METADATA) == ".metadata"
+    assert disk_name("__0_0.distcp") == "__0_0.distcp"
+
+
+def model_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"a.weight": torch.randn(6, 4, generator=g), "b.bias": torch.randn(5, generator=g)}
+
+
+def save(folder: Path) -> VerifiedCheckpoint:
+    """What one rank's dcp save writes, committed by hand (plain folder + manifest)."""
+    folder.mkdir()
+    writer = DcpWriter()
+    shared: dict[str, Any] = {"model": model_state(), "optimizer": {}, "trainer": {"step": 1}}
+    files: dict[str, FileEntry] = writer.write(folder, 0, 1, shared, {"rng": {"rank": 0}})
+    assert {DCP_METADATA, "__0_0.distcp", "trainer.pt", "rng-rank0.pt"} <= files.keys()
+    manifest = Manifest(1, 1, "t" * 32, writer.name, 0.0, files, {}, {})
+    (folder / "manifest.json").write_bytes(manifest.to_bytes())
+    return verify_checkpoint(folder)
+
+
+def test_a_dcp_checkpoint_consolidates_exactly_in_one_process(tmp_path: Path) -> None:
+    ckpt = save(tmp_path / "step")
+    got = ckpt.state("model")
+    assert got.keys() == model_state().keys()
+    assert all(torch.equal(got[k], v) for k, v in model_state().items())
+    assert ckpt.state("trainer") == {"step": 1}
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_flipped_byte_in_a_dcp_file_is_named_and_rejected(tmp_path: Path, name: str) -> None:
+    save(tmp_path / "step")
+    path = tmp_path / "step" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"file {name}.* does not match its SHA-256"):
+        verify_checkpoint(tmp_path / "step")
+
+
+def test_dcp_reads_the_verified_bytes_not_the_file_rewritten_after_verification(tmp_path: Path) -> None:
+    ckpt = save(tmp_path / "step")
+    shard = tmp_path / "step" / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeros, same size: what a swap after verify would do
+    state: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in model_state().items()}}
+    load_sharded(ckpt, state, None)
+    assert all(torch.equal(state["model"][k], v) for k, v in model_state().items())
