@@ -1,5 +1,5 @@
 """Single-GPU figures: matmul ceiling, GPT-2 124M throughput and MFU, ddptrain vs a raw loop,
-1-rank NCCL DDP vs no DDP, and checkpoint save/load of the full training state. About 3-5 minutes.
+1-rank NCCL DDP and FSDP2 vs neither, and checkpoint save/load of the full training state. About 3-5 minutes.
 
     python bench/gpu.py --out DIR            # on a machine with one CUDA GPU; writes DIR/gpu-<date>.json
     python bench/gpu.py --smoke --out DIR    # a tiny model on the CPU: checks that the script runs
@@ -7,7 +7,7 @@
 GPT-2 124M: 12 layers, 12 heads, width 768, T=1024, vocab 50304 (50257 padded to a multiple of 64),
 bf16 autocast, SDPA attention (the built-in GPT), fused AdamW, synthetic tokens (no download).
 MFU = tokens/s x training FLOPs per token (6N + 12·L·C·T, PaLM appendix B) / the GPU's dense
-bf16 peak (ddptrain.observe.perf's data-sheet table). Ratios (ddptrain / raw, DDP / none, compiled /
+bf16 peak (ddptrain.observe.perf's data-sheet table). Ratios (ddptrain / raw, DDP / none, FSDP / none, compiled /
 eager) are measured A B A B in rounds.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -237,8 +238,12 @@ def trainer_vs_raw(b: Bench, run: Path) -> dict[str, Any]:
     return {"seconds_per_step": {k: summary(v) for k, v in t.items()}, "ratio": ratio, "trainer": trainer}
 
 
-def ddp_overhead(b: Bench) -> dict[str, Any]:
-    """A 1-rank DDP (NCCL on GPU, gloo in smoke) vs the bare model: the wrapper's own cost."""
+def wrapper_overhead(b: Bench) -> dict[str, Any]:
+    """1-rank DDP and 1-rank FSDP2 (NCCL on GPU, gloo in smoke) vs the bare model: each wrapper's own cost.
+
+    FSDP shards each block, then the root (as dist.strategy=fsdp does); at one rank its all-gathers and
+    reduce-scatters are copies, so what it costs over the bare model is the wrapper's bookkeeping.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -249,18 +254,23 @@ def ddp_overhead(b: Bench) -> dict[str, Any]:
         bare = b.model()
         wrapped = b.model()
         ddp = DDP(wrapped, device_ids=None if b.smoke else [0], gradient_as_bucket_view=True)
+        sharded = b.model()
+        for block in sharded.blocks:
+            fully_shard(block)
+        fully_shard(sharded)
         t = b.interleave(
             {
                 "no DDP": b.raw_step(bare, b.optimizer(bare), b.batches()),
                 "DDP": b.raw_step(ddp, b.optimizer(wrapped), b.batches()),
+                "FSDP": b.raw_step(sharded, b.optimizer(sharded), b.batches()),
             }
         )
     finally:
         dist.destroy_process_group()
-    return {
-        "seconds_per_step": {k: summary(v) for k, v in t.items()},
-        "overhead": summary([d / n - 1 for d, n in zip(t["DDP"], t["no DDP"])]),
-    }
+    times = {k: summary(v) for k, v in t.items()}
+    ddp_result = {"seconds_per_step": times, "overhead": summary([d / n - 1 for d, n in zip(t["DDP"], t["no DDP"])])}
+    fsdp_result = {"overhead": summary([f / n - 1 for f, n in zip(t["FSDP"], t["no DDP"])])}
+    return {"ddp": ddp_result, "fsdp": fsdp_result}
 
 
 def checkpoint(b: Bench, trainer: Trainer, run: Path) -> dict[str, Any]:
@@ -331,11 +341,12 @@ def main() -> int:
     result["matmul"] = matmul_ceiling(b)
     peak_per_s, source = peak(b.device, result["matmul"]["best_tflops"] * 1e12)
     result["peak_flops"], result["peak_source"] = peak_per_s, source
-    steps = [("gpt2", lambda: gpt2(b, peak_per_s)), ("ddp", lambda: ddp_overhead(b))]
-    for name, fn in steps:
-        t0 = time.perf_counter()
-        result[name] = fn()
-        print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    result["gpt2"] = gpt2(b, peak_per_s)
+    print(f"gpt2: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    result.update(wrapper_overhead(b))
+    print(f"ddp, fsdp: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     # Checkpoints go under --out (a real disk, so fsync means something; /tmp may be RAM) and are removed after.
     run = args.out / "gpu-work"
     shutil.rmtree(run, ignore_errors=True)
@@ -359,7 +370,8 @@ def main() -> int:
         f"{result['device']}: matmul {result['matmul']['best_tflops']:.0f} TFLOP/s; GPT-2 124M "
         f"eager {g['eager']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['eager']['mfu']['median']:.1%}), "
         f"compiled {g['compiled']['tokens_per_s']['median']:,.0f} tok/s (MFU {g['compiled']['mfu']['median']:.1%}); "
-        f"ddptrain/raw {tv['ratio']['median']:.3f}; DDP overhead {result['ddp']['overhead']['median']:+.1%}; "
+        f"ddptrain/raw {tv['ratio']['median']:.3f}; DDP overhead {result['ddp']['overhead']['median']:+.1%}, "
+        f"FSDP (1 rank) {result['fsdp']['overhead']['median']:+.1%}; "
         f"save sync {result['checkpoint']['sync']['blocked_s']['median']:.2f} s, async blocked "
         f"{result['checkpoint']['async']['blocked_s']['median']:.2f} s, load {result['checkpoint']['load_s']['median']:.2f} s "
         f"({result['checkpoint']['state_GB']:.2f} GB); {result['wall_s']:.0f} s in all -> {out}"

@@ -67,4 +67,4 @@ def test_gpu_script_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (result_file,) = tmp_path.glob("gpu-*.json")
     result = json.loads(result_file.read_text())
-    assert {"matmul", "gpt2", "trainer_vs_raw", "ddp", "checkpoint"} <= set(result)
+    assert {"matmul", "gpt2", "trainer_vs_raw", "ddp", "fsdp", "checkpoint"} <= set(result)
