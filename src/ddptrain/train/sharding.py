@@ -19,8 +19,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -139,24 +137,10 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model, optimizer) state as full, plain tensors, identical on every rank: what the checkpoint writer takes.
-
-    Under FSDP every rank all-gathers the full state (collectives: one all-gather per tensor, on every
-    rank); the optimizer's is keyed by parameter name. Unsharded models return their own state_dicts.
-    """
-    if not is_sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    # Without cpu_offload every rank gets the full values, as the sharded writer expects (with it only
-    # rank 0 would); the cost is one full copy per rank while the checkpoint is taken.
-    options = StateDictOptions(full_state_dict=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-
-
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optim_state: dict[str, Any]
 ) -> None:
-    """Restore full_state()'s output; under FSDP each rank keeps its own shard of it."""
+    """Restore a full (DDP or single-process) model and optimizer state; under FSDP each rank keeps its own shard."""
     if not is_sharded(model):
         model.load_state_dict(model_state)
         load_optimizer_state(optimizer, optim_state)

@@ -45,7 +45,7 @@ from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
 from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
-from ddptrain.train.sharding import full_state, is_sharded, load_full_state, local_norm, set_gradient_sync
+from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +229,10 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
         or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
-        if self.checkpointer.writer.name == DcpWriter.name:
+        if self.checkpointer.writer.name == DcpWriter.name:  # every sharded (FSDP/HSDP) run: run.py picks it
             model_state, optim_state = sharded_state(self.model, self.optimizer)
         else:
-            model_state, optim_state = full_state(self.model, self.optimizer)  # collectives under FSDP
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
             "model": model_state,
             "optimizer": optim_state,
