@@ -30,10 +30,11 @@ train: venv
 # so two share 2 cores well (the cluster tests stay on one worker, in order: conftest.py).
 TEST_WORKERS ?= 2
 
-test: venv
+# The measurements (marker `measure`: the straggler detection targets) run first and alone, so that
+# no other test competes for the cores while they time the ranks; then the rest, two workers.
+test: test-measure
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not measure" tests
 
-# The straggler detection targets of issue 17, measured (minutes; needs a quiet machine).
 test-measure: venv
 	$(PY) -m pytest -q -m measure tests
 
@@ -49,7 +50,7 @@ format: venv
 	$(VENV)/bin/ruff format src tests bench examples
 
 test-unit: venv
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 test-dist: venv
 	$(PY) -m pytest -q tests/dist

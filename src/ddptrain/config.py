@@ -334,9 +334,9 @@ class LogConfig(_Section):
         description="Gather per-rank step times every N steps to spot stragglers (keep it a multiple of log.every_steps on GPUs); 0 disables.",
     )
     straggler_factor: float = Field(
-        1.2,
+        1.15,
         gt=1.0,
-        description="Warn when a rank's compute time over the window exceeds the other ranks' median by this factor (two checks in a row).",
+        description="Warn when a rank's compute time (net of waiting for a CPU) over the window exceeds the other ranks' median by this factor (two checks in a row).",
     )
     straggler_window: int = Field(30, ge=4, description="Steps the straggler comparison is taken over.")
     peak_tflops: float | None = Field(

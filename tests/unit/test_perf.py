@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -128,12 +132,43 @@ def test_step_timer_attributes_phases() -> None:
     everything = s["data_wait_s"] + s["forward_s"] + s["backward_s"] + s["optimizer_s"]
     assert s["local_s"] >= 0.04 + 0.02 + 0.005 + 0.015
     assert s["local_s"] <= everything - 0.045
-    local, comm = timer.take_steps()
-    assert sum(local) / len(local) == pytest.approx(s["local_s"]) and comm == [
-        0.0,
-        0.0,
-    ]  # no comm hook: no wait measured
+    local, comm, cpu_wait = timer.take_steps()
+    assert sum(local) / len(local) == pytest.approx(s["local_s"])
+    assert comm == [0.0, 0.0]  # no comm hook: no wait measured
+    assert len(cpu_wait) == 2 and all(0.0 <= w < 0.01 for w in cpu_wait)  # sleeping is not waiting for a CPU
     assert timer.summary() == {}
+
+
+def _timed_busy_steps(timer: StepTimer, out: dict[str, float]) -> None:
+    # Runs in its own thread, pinned to CPU 0 with the spinner: only this thread shares that CPU.
+    os.sched_setaffinity(0, {0})
+    for _ in range(3):
+        timer.start()
+        end = time.perf_counter() + 0.1
+        while time.perf_counter() < end:
+            pass
+        timer.lap("forward")
+        timer.lap("backward")
+        timer.lap("optimizer")
+    out.update(timer.summary())
+
+
+def test_step_timer_measures_the_time_its_thread_waited_for_a_cpu() -> None:
+    # A busy loop sharing the one CPU it may use: about half of each 0.1 s step is spent runnable but
+    # not running, which /proc/thread-self/schedstat records and local_cpu_wait_s reports.
+    spinner = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+    summary: dict[str, float] = {}
+    try:
+        time.sleep(0.2)  # the spinner is running
+        worker = threading.Thread(target=_timed_busy_steps, args=(StepTimer(torch.device("cpu"), False), summary))
+        worker.start()
+        worker.join(30)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    local, waited = summary["local_s"], summary["local_cpu_wait_s"]
+    assert local == pytest.approx(0.1, abs=0.03)
+    assert 0.2 * local < waited < 0.8 * local
 
 
 def test_step_timer_no_exposed_comm_without_accumulation_or_ddp() -> None:

@@ -9,6 +9,7 @@ unless `log.peak_tflops` names the peak.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import time
@@ -79,9 +80,36 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
 _KEPT_STEPS = 4096
 
 
+class RunQueueWait:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat; 0 elsewhere).
+
+    The file is opened once, by the thread to be measured (the training loop's: on CPU, autograd runs
+    backward on it too); each read is one pread of a few bytes (~1 us).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
 @dataclass
 class _Step:
     data_s: float = 0.0
+    data_cpu_wait_s: float = 0.0
     forward: list[tuple[Any, Any]] = field(default_factory=list)
     backward: list[tuple[Any, Any]] = field(default_factory=list)
     optimizer: tuple[Any, Any] | None = None
@@ -93,7 +121,9 @@ class StepTimer:
 
     The trainer calls start() and then lap(phase) at each phase boundary. Data wait is host time
     (the loop waiting for the next batch). Compute phases are host time on CPU, and CUDA events on
-    a GPU, read only when the log window is summarized (the log step synchronizes anyway).
+    a GPU, read only when the log window is summarized (the log step synchronizes anyway). On CPU
+    each stamp also reads the thread's run-queue wait, so `local_cpu_wait_s` says how much of the
+    local time was spent waiting for a CPU rather than computing (an oversubscribed host).
 
     With DDP, `attach()` adds a comm hook that stamps each gradient bucket as backward hands it to
     the all-reduce: the last stamp is where this rank's backward compute ended, even when the
@@ -109,7 +139,10 @@ class StepTimer:
         self._local: deque[float] = deque(maxlen=_KEPT_STEPS)
         self._comm: deque[float] = deque(maxlen=_KEPT_STEPS)
         self._host = 0.0
+        self._host_wait = 0.0
         self._mark: Any = None
+        self._wait: RunQueueWait | None = None  # opened by the first start(), on the training thread
+        self._local_wait: deque[float] = deque(maxlen=_KEPT_STEPS)
         self._ddp: DDP | None = None  # the module whose comm hook is ours (DDP takes one hook per module)
         self._send: Any = None  # a comm hook the buckets go through after the stamp (None: DDP's all-reduce)
 
@@ -118,7 +151,10 @@ class StepTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.perf_counter(), self._waited()
+
+    def _waited(self) -> float:
+        return self._wait() if self._wait is not None else 0.0
 
     def attach(self, ddp: nn.Module) -> None:
         """Register the bucket-stamping comm hook on a DDP module (before its first forward).
@@ -159,8 +195,10 @@ class StepTimer:
 
     def start(self) -> None:
         """A new step begins."""
+        if self._wait is None and not self.cuda:
+            self._wait = RunQueueWait()
         self._steps.append(_Step())
-        self._host = time.perf_counter()
+        self._host, self._host_wait = time.perf_counter(), self._waited()
         self._mark = self._stamp()
 
     def lap(self, phase: str) -> None:
@@ -168,6 +206,7 @@ class StepTimer:
         step = self._steps[-1]
         if phase == "data":
             step.data_s += time.perf_counter() - self._host
+            step.data_cpu_wait_s += self._waited() - self._host_wait
             self._mark = self._stamp()
             return
         begin, self._mark = self._mark, self._stamp()
@@ -175,7 +214,7 @@ class StepTimer:
             step.optimizer = (begin, self._mark)
         else:
             getattr(step, phase).append((begin, self._mark))
-        self._host = time.perf_counter()
+        self._host, self._host_wait = time.perf_counter(), self._waited()
 
     def _seconds(self, span: tuple[Any, Any] | None) -> float:
         if span is None:
@@ -184,7 +223,13 @@ class StepTimer:
         if self.cuda:
             end.synchronize()
             return float(begin.elapsed_time(end)) / 1000
-        return float(end - begin)
+        return float(end[0] - begin[0])
+
+    def _cpu_wait(self, span: tuple[Any, Any] | None) -> float:
+        # Host run-queue wait within a span; GPU spans time the device, which never waits for a CPU.
+        if span is None or self.cuda:
+            return 0.0
+        return float(span[1][1] - span[0][1])
 
     def _resolve(self) -> None:
         # Called after a step has ended: on CUDA this waits for its last event (the log step syncs anyway).
@@ -192,6 +237,12 @@ class StepTimer:
             fwd = [self._seconds(x) for x in s.forward]
             bwd = [self._seconds(x) for x in s.backward]
             opt = self._seconds(s.optimizer)
+            local_wait = (
+                s.data_cpu_wait_s
+                + sum(self._cpu_wait(x) for x in s.forward)
+                + sum(self._cpu_wait(x) for x in s.backward[:-1])
+                + self._cpu_wait(s.optimizer)
+            )
             row = {
                 "data_wait_s": s.data_s,
                 "forward_s": sum(fwd),
@@ -203,12 +254,16 @@ class StepTimer:
                 # The last backward: compute until its last bucket was ready, then the wait for the all-reduce.
                 compute = self._seconds((s.backward[-1][0], s.bucket_ready))
                 row["local_s"] += compute
+                local_wait += self._cpu_wait((s.backward[-1][0], s.bucket_ready))
                 row["comm_wait_s"] = max(0.0, bwd[-1] - compute)
             if self.distributed and len(bwd) >= 2:
                 row["exposed_comm_s"] = max(0.0, bwd[-1] - fmean(bwd[:-1]))
+            if not self.cuda:
+                row["local_cpu_wait_s"] = local_wait
             self._rows.append(row)
             self._local.append(row["local_s"])
             self._comm.append(row.get("comm_wait_s", 0.0))
+            self._local_wait.append(local_wait)
         self._steps = []
 
     def summary(self) -> dict[str, float]:
@@ -228,13 +283,13 @@ class StepTimer:
             return {}
         return {k: fmean(r[k] for r in rows) for k in rows[-1] if all(k in r for r in rows)}
 
-    def take_steps(self) -> tuple[list[float], list[float]]:
-        """(local_s, comm_wait_s) of every step since the last call (then reset), for the straggler check."""
+    def take_steps(self) -> tuple[list[float], list[float], list[float]]:
+        """(local_s, comm_wait_s, local_cpu_wait_s) of every step since the last call (then reset), for the straggler check."""
         self._resolve()
-        local, comm = list(self._local), list(self._comm)
-        self._local.clear()
-        self._comm.clear()
-        return local, comm
+        taken = list(self._local), list(self._comm), list(self._local_wait)
+        for q in (self._local, self._comm, self._local_wait):
+            q.clear()
+        return taken
 
 
 class Throughput:

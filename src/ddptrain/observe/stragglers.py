@@ -3,22 +3,19 @@
 Under DDP every rank waits for the slowest one inside the gradient all-reduce, so wall step times
 are equal and cannot name the straggler. What differs is each rank's *local* time (perf.StepTimer:
 data, forward, backward compute up to its last gradient bucket, optimizer): a rank never waits for
-another there. Every `every` steps the ranks gather their per-step local and all-reduce-wait times
-and each rank runs the same `StragglerDetector` on them:
+another there. Every `every` steps the ranks gather their per-step local times, CPU waits and
+all-reduce waits, and each rank runs the same `StragglerDetector` on them:
 
-* slow compute: rank r's local time over the last `window` steps (its `trim` slowest steps left
-  out, so one scheduling hiccup is not a straggler) against the median of the *other* ranks'. A
-  slowdown every rank shares (a loaded machine, a bigger batch) cancels out in that ratio, and at
-  two ranks the other rank is the reference (a median including r itself could never exceed 2x).
-  The ratio must stay above `factor` for `confirm` checks in a row.
+* slow compute: rank r's busy time (local time less the time its thread waited for a CPU, which
+  other processes on an oversubscribed host cause, not the rank) over the last `window` steps,
+  against the median of the *other* ranks'. Each step counts up to `cap` times the window's median
+  step, so one descheduled step cannot make a straggler while a slowdown spread over the steps
+  counts in full. A slowdown every rank shares (a loaded machine, a bigger batch) cancels out in
+  the ratio, and at two ranks the other rank is the reference (a median including r itself could
+  never exceed 2x). The ratio must stay above `factor` for `confirm` checks in a row.
 * slow communication: in each step the rank that reached the all-reduce last waits only for the
   transfer itself, so the minimum wait over ranks is the communication time. Its median over the
   window is compared with its own baseline (the first full window), by `comm_factor`.
-
-Each rank also reports how long its main thread was runnable but waiting for a CPU (Linux
-schedstat). When that explains at least half of a finding's excess, the warning says so: the
-rank is slow because other processes compete for its cores (an oversubscribed host), not because
-its device or data is slow.
 """
 
 from __future__ import annotations
@@ -35,16 +32,6 @@ import torch.distributed as dist
 from ddptrain.dist import DistContext
 
 COMM_FLOOR_S = 0.005  # a slower all-reduce must also be this much slower in absolute terms
-EXPLAINED = 0.5  # share of a finding's excess time that CPU waiting must cover to be named its cause
-
-
-def cpu_wait_s() -> float:
-    """Seconds this process's main thread spent runnable but waiting for a CPU (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 @dataclass
@@ -56,12 +43,6 @@ class Finding:
     seconds: float  # the slow value, per step
     reference: float  # the others' median (compute) or the baseline (comm), per step
     rank: int | None = None
-    cpu_wait: float = 0.0  # of `seconds`, per step: waiting for a CPU (the flagged rank's, or the median rank's)
-
-    @property
-    def cpu_contention(self) -> bool:
-        """True when waiting for a CPU explains most of the excess over the reference."""
-        return self.cpu_wait >= EXPLAINED * (self.seconds - self.reference) > 0
 
 
 @dataclass
@@ -70,48 +51,52 @@ class StragglerDetector:
 
     world_size: int
     window: int = 30
-    factor: float = 1.2
+    factor: float = 1.15
     confirm: int = 2
-    trim: int = 2
+    cap: float = 3.0
     comm_factor: float = 2.0
-    _local: list[deque[float]] = field(default_factory=list)
+    _busy: list[deque[float]] = field(default_factory=list)
     _comm: deque[float] = field(default_factory=deque)
     _strikes: list[int] = field(default_factory=list)
     _comm_strikes: int = 0
     comm_baseline: float | None = None
 
     def __post_init__(self) -> None:
-        self._local = [deque(maxlen=self.window) for _ in range(self.world_size)]
+        self._busy = [deque(maxlen=self.window) for _ in range(self.world_size)]
         self._comm = deque(maxlen=self.window)
         self._strikes = [0] * self.world_size
 
+    def _capped_means(self) -> list[float]:
+        limit = self.cap * median(x for h in self._busy for x in h)
+        return [sum(min(x, limit) for x in h) / len(h) for h in self._busy]
+
     def ratios(self) -> list[float]:
-        """Each rank's trimmed window time over the median of the other ranks' (1.0 until the window is full)."""
-        if len(self._local[0]) < self.window or self.world_size < 2:
+        """Each rank's capped mean busy time over the median of the other ranks' (1.0 until the window is full)."""
+        if len(self._busy[0]) < self.window or self.world_size < 2:
             return [1.0] * self.world_size
-        totals = [sum(sorted(h)[: self.window - self.trim]) for h in self._local]
+        means = self._capped_means()
         out = []
-        for r, mine in enumerate(totals):
-            ref = median(totals[:r] + totals[r + 1 :])
+        for r, mine in enumerate(means):
+            ref = median(means[:r] + means[r + 1 :])
             out.append(mine / ref if ref > 0 else 1.0)
         return out
 
-    def add(self, local: list[list[float]], comm: list[list[float]]) -> list[Finding]:
-        """Feed the steps since the last check (local[r][i], comm[r][i]); returns what is confirmed now."""
+    def add(self, local: list[list[float]], comm: list[list[float]], wait: list[list[float]]) -> list[Finding]:
+        """Feed the steps since the last check (local[r][i], comm[r][i], CPU wait[r][i]); returns what is confirmed now."""
         for i in range(len(local[0])):
             column = [row[i] for row in local]
             if not all(math.isfinite(x) for x in column):
                 continue  # a step some rank did not time (its first check after start or resume)
             for r, x in enumerate(column):
-                self._local[r].append(x)
+                self._busy[r].append(max(0.0, x - wait[r][i]))
             self._comm.append(min(row[i] for row in comm))
         findings = []
         ratios = self.ratios()
         for r, ratio in enumerate(ratios):
             self._strikes[r] = self._strikes[r] + 1 if ratio > self.factor else 0
             if self._strikes[r] >= self.confirm:
-                others = [sum(h) / len(h) for q, h in enumerate(self._local) if q != r]
-                findings.append(Finding("compute", ratio, sum(self._local[r]) / len(self._local[r]), median(others), r))
+                means = self._capped_means()
+                findings.append(Finding("compute", ratio, means[r], median(means[:r] + means[r + 1 :]), r))
         # A straggler slows the all-reduce too (it is the last to arrive, and its own communication
         # thread competes with it): communication is only judged when no rank computes slower.
         comm_finding = self._check_comm(judge=not findings)
@@ -133,10 +118,9 @@ class StragglerDetector:
             return Finding("comm", now / base if base > 0 else math.inf, now, base)
         return None
 
-    def per_rank_means(self) -> tuple[list[float], float | None]:
-        """Mean local time per rank over the window, and the median communication time."""
-        means = [sum(h) / len(h) if h else 0.0 for h in self._local]
-        return means, (median(self._comm) if self._comm else None)
+    def comm_median(self) -> float | None:
+        """The median communication time over the window (None before any step)."""
+        return median(self._comm) if self._comm else None
 
 
 class StragglerMonitor:
@@ -147,49 +131,39 @@ class StragglerMonitor:
         self.hosts = list(ctx.hosts) or [ctx.hostname]
         self.detector = StragglerDetector(ctx.world_size, window=window, factor=factor)
         self._flagged: set[Any] = set()  # what was already warned about (warn once per episode)
-        self._waits: deque[list[float]] = deque(maxlen=max(1, -(-window // max(every, 1))))
-        self._wait_mark = cpu_wait_s()
 
     def due(self, step: int) -> bool:
         """True on the steps where every rank takes part in a check."""
         return bool(self.every) and self.ctx.is_distributed and step % self.every == 0
 
-    def _gather(
-        self, local: list[float], comm: list[float]
-    ) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    def _gather(self, *series: list[float]) -> list[list[list[float]]]:
+        # One tensor per rank: each series' last `every` values, NaN-padded in front when fewer.
         n = self.every
-        pad = [math.nan] * max(0, n - len(local))
-        now = cpu_wait_s()
-        wait, self._wait_mark = (now - self._wait_mark) / max(len(local), 1), now
-        mine = torch.tensor(pad + local[-n:] + pad + comm[-n:] + [wait], dtype=torch.float64, device=self.ctx.device)
+        flat: list[float] = []
+        for values in series:
+            flat += [math.nan] * max(0, n - len(values)) + values[-n:]
+        mine = torch.tensor(flat, dtype=torch.float64, device=self.ctx.device)
         out = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(out, mine, group=self.ctx.group)
         rows = [t.tolist() for t in out]
-        return [row[:n] for row in rows], [row[n : 2 * n] for row in rows], [row[-1] for row in rows]
+        return [[row[k * n : (k + 1) * n] for row in rows] for k in range(len(series))]
 
-    def check(self, step: int, local: list[float], comm: list[float]) -> tuple[dict[str, Any], list[str]]:
+    def check(
+        self, step: int, local: list[float], comm: list[float], wait: list[float]
+    ) -> tuple[dict[str, Any], list[str]]:
         """All ranks: gather, detect; returns the metrics record and the warnings (new episodes only)."""
-        all_local, all_comm, waits = self._gather(local, comm)
-        self._waits.append(waits)
-        cpu_wait = [sum(w[r] for w in self._waits) / len(self._waits) for r in range(self.ctx.world_size)]
-        findings = self.detector.add(all_local, all_comm)
-        for f in findings:
-            f.cpu_wait = (
-                cpu_wait[f.rank] - median(cpu_wait[: f.rank] + cpu_wait[f.rank + 1 :])
-                if f.rank is not None
-                else median(cpu_wait)
-            )
-        means, comm_s = self.detector.per_rank_means()
+        all_local, all_comm, all_wait = self._gather(local, comm, wait)
+        findings = self.detector.add(all_local, all_comm, all_wait)
         record: dict[str, Any] = {
             "step": step,
-            "local_step_s": means,
+            "local_step_s": [_mean(row) for row in all_local],
+            "cpu_wait_s": [_mean(row) for row in all_wait],
             "hosts": self.hosts,
             "ratios": [round(x, 4) for x in self.detector.ratios()],
-            "median_s": median(means),
             "factor": self.detector.factor,
             "window": self.detector.window,
-            "cpu_wait_s": cpu_wait,
         }
+        comm_s = self.detector.comm_median()
         if comm_s is not None:
             record["comm_s"] = comm_s
             record["comm_baseline_s"] = self.detector.comm_baseline
@@ -198,14 +172,9 @@ class StragglerMonitor:
             key = ("compute", f.rank) if f.kind == "compute" else ("comm",)
             current.add(key)
             if f.kind == "compute" and f.rank is not None:
-                record.update(
-                    straggler_rank=f.rank,
-                    straggler_host=self.hosts[f.rank],
-                    ratio=f.ratio,
-                    straggler_cpu_contention=f.cpu_contention,
-                )
+                record.update(straggler_rank=f.rank, straggler_host=self.hosts[f.rank], ratio=f.ratio)
             else:
-                record.update(slow_comm_ratio=f.ratio, slow_comm_cpu_contention=f.cpu_contention)
+                record.update(slow_comm_ratio=f.ratio)
             if key not in self._flagged:
                 warnings.append(self._describe(step, f))
         self._flagged = current
@@ -213,23 +182,22 @@ class StragglerMonitor:
 
     def _describe(self, step: int, f: Finding) -> str:
         w = self.detector.window
-        cause = ""
-        if f.cpu_contention:
-            where = self.hosts[f.rank] if f.rank is not None else ", ".join(sorted(set(self.hosts)))
-            cause = (
-                f"; {f.cpu_wait * 1000:.1f} ms/step of it waiting for a CPU: other processes compete for the "
-                f"cores of {where}"
-            )
         if f.kind == "compute" and f.rank is not None:
             return (
                 f"straggler at step {step}: rank {f.rank} on {self.hosts[f.rank]} computes {f.ratio:.2f}x "
                 f"the other ranks' median ({f.seconds * 1000:.1f} vs {f.reference * 1000:.1f} ms/step over the "
-                f"last {w} steps, threshold {self.detector.factor}x){cause}; the others wait for it in the gradient "
+                f"last {w} steps, threshold {self.detector.factor}x); the others wait for it in the gradient "
                 f"all-reduce"
             )
         hosts = ", ".join(sorted(set(self.hosts)))
         return (
             f"slow communication at step {step}: the gradient all-reduce takes {f.seconds * 1000:.1f} ms "
             f"after the last rank reaches it, {f.ratio:.1f}x its baseline {f.reference * 1000:.1f} ms (every rank "
-            f"waits; hosts {hosts}){cause}; no rank computes slower than the others"
+            f"waits; hosts {hosts}); no rank computes slower than the others"
         )
+
+
+def _mean(values: list[float]) -> float:
+    """Mean of the finite values (0.0 when a rank timed none of them: its first check after a resume)."""
+    finite = [x for x in values if math.isfinite(x)]
+    return sum(finite) / len(finite) if finite else 0.0
