@@ -185,9 +185,9 @@ class StragglerMonitor:
         if f.kind == "compute" and f.rank is not None:
             return (
                 f"straggler at step {step}: rank {f.rank} on {self.hosts[f.rank]} computes {f.ratio:.2f}x "
-                f"the other ranks' median ({f.seconds * 1000:.1f} vs {f.reference * 1000:.1f} ms/step over the "
-                f"last {w} steps, threshold {self.detector.factor}x); the others wait for it in the gradient "
-                f"all-reduce"
+                f"the other ranks' median ({f.seconds * 1000:.1f} vs {f.reference * 1000:.1f} ms/step of compute, net of "
+                f"waiting for a CPU, over the last {w} steps; threshold {self.detector.factor}x); the others wait "
+                f"for it in the gradient all-reduce"
             )
         hosts = ", ".join(sorted(set(self.hosts)))
         return (
