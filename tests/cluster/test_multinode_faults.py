@@ -418,3 +418,37 @@ def test_rate_limited_link_is_slower_with_the_same_result(
     assert_same_params(final_model_state(job.run_dir), reference(*big))
     limited = [r["step_time_s"] for r in job.records("train")[5:]]
     measured("rate-limited link (40 Mbit/s)", median_step=sorted(limited)[len(limited) // 2])
+
+
+@pytest.mark.timeout(240)
+def test_a_link_slowed_mid_run_is_named_with_its_host(namespaces_ok: None, tmp_path: Path) -> None:
+    """Three hosts; after the communication baseline, node2's outgoing traffic is limited to 40 Mbit/s.
+    The check confirms slow communication, the ranks probe their links and the warning names node2."""
+    grads = [
+        "model.kwargs.extra_params=200000",
+        "model.kwargs.step_sleep=0.03",
+        "train.max_steps=110",
+        "train.global_batch_size=12",
+    ]
+    with Cluster(3) as hosts:
+        job = Job(hosts, tmp_path, nnodes="3", train=grads)
+        job.start()
+        job.wait_for_step(50, timeout=150)  # the baseline is the first full 30-step window
+        hosts.nodes[1].rate_limit("40mbit")
+        limited_at = time.time()
+        assert job.wait(200) == {"node1": 0, "node2": 0, "node3": 0}, job.output()
+        checks = job.records("ranks")
+        found = next((c for c in checks if "slow_comm_ratio" in c), None)
+        assert found is not None, [(c["step"], c.get("comm_s"), c.get("comm_baseline_s")) for c in checks]
+        assert found["time"] > limited_at
+        assert found["slow_comm_host"] == "node2" and found["slow_link"] == "node2's outgoing traffic", found
+        assert {(s, d) for s, d, _ in found["links"]} == {(1, 0), (1, 2)}  # rank 1 runs on node2
+        assert not [c for c in checks if "straggler_rank" in c]
+        warning = next(
+            line for line in job.log(hosts.nodes[0]).read_text().splitlines() if "slow communication" in line
+        )
+        print("\n" + warning)
+        assert "slow: node2's outgoing traffic (probe of 1 MiB: node2 -> node" in warning
+        first = min(r["step"] for r in job.records("train") if r["time"] > limited_at)
+        print(f"named at step {found['step']}, {found['step'] - first} steps after the limit began")
+        measured("slow link named", after_limit=found["time"] - limited_at)

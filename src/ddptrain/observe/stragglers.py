@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.dist import DistContext
+from ddptrain.observe import links
 
 COMM_FLOOR_S = 0.005  # a slower all-reduce must also be this much slower in absolute terms
 
@@ -175,8 +176,17 @@ class StragglerMonitor:
                 record.update(straggler_rank=f.rank, straggler_host=self.hosts[f.rank], ratio=f.ratio)
             else:
                 record.update(slow_comm_ratio=f.ratio)
-            if key not in self._flagged:
-                warnings.append(self._describe(step, f))
+            if key in self._flagged:
+                continue
+            warning = self._describe(step, f)
+            if f.kind == "comm":
+                # A new slow-communication episode: every rank found it from the same numbers, so
+                # all probe their links now, together, to say whose link it is.
+                verdict = links.judge(links.probe(self.ctx), self.hosts)
+                record["links"] = [[x.src, x.dst, x.seconds] for x in verdict.slow]
+                record.update(slow_link=verdict.where, slow_comm_host=verdict.host)
+                warning += "; " + links.describe(verdict, self.hosts)
+            warnings.append(warning)
         self._flagged = current
         return record, warnings
 
@@ -189,11 +199,10 @@ class StragglerMonitor:
                 f"waiting for a CPU, over the last {w} steps; threshold {self.detector.factor}x); the others wait "
                 f"for it in the gradient all-reduce"
             )
-        hosts = ", ".join(sorted(set(self.hosts)))
         return (
             f"slow communication at step {step}: the gradient all-reduce takes {f.seconds * 1000:.1f} ms "
             f"after the last rank reaches it, {f.ratio:.1f}x its baseline {f.reference * 1000:.1f} ms (every rank "
-            f"waits; hosts {hosts}); no rank computes slower than the others"
+            f"waits; no rank computes slower than the others)"
         )
 
 
