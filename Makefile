@@ -30,9 +30,11 @@ train: venv
 # so two share 2 cores well (the cluster tests stay on one worker, in order: conftest.py).
 TEST_WORKERS ?= 2
 
-# The measurements (marker `measure`: the straggler detection targets) run first and alone, so that
-# no other test competes for the cores while they time the ranks; then the rest, two workers.
-test: test-measure
+# The straggler measurements (tests/dist, marker `measure`) run first and alone, so that no other
+# test competes for the cores while they time the ranks; then the rest, two workers. The recovery
+# measurement (tests/cluster, minutes of interleaved rounds) runs only in `make test-measure`.
+test: venv
+	$(PY) -m pytest -q -m measure tests/dist
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not measure" tests
 
 test-measure: venv

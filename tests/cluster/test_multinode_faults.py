@@ -442,7 +442,7 @@ def test_a_link_slowed_mid_run_is_named_with_its_host(namespaces_ok: None, tmp_p
         assert found is not None, [(c["step"], c.get("comm_s"), c.get("comm_baseline_s")) for c in checks]
         assert found["time"] > limited_at
         assert found["slow_comm_host"] == "node2" and found["slow_link"] == "node2's outgoing traffic", found
-        assert {(s, d) for s, d, _ in found["links"]} == {(1, 0), (1, 2)}  # rank 1 runs on node2
+        assert {(1, 0), (1, 2)} <= {(s, d) for s, d, _ in found["links"]}  # rank 1 runs on node2
         assert not [c for c in checks if "straggler_rank" in c]
         warning = next(
             line for line in job.log(hosts.nodes[0]).read_text().splitlines() if "slow communication" in line

@@ -31,6 +31,15 @@ def test_the_host_all_slow_links_leave_from_is_named() -> None:
     assert v.host == "node3" and v.where == "node3's incoming traffic"
 
 
+def test_a_rank_that_started_its_probe_late_does_not_hide_the_slow_host() -> None:
+    # node2 sends slowly; node1 was also late for one of its sends (a busy CPU): one slow link of
+    # node1 is not all of them, so node2 is still the host named.
+    hosts = ["node1", "node2", "node3"]
+    v = judge(_ring(hosts, {(1, 2): 0.2, (1, 0): 0.25, (0, 2): 0.04}), hosts)
+    assert v.host == "node2" and v.where == "node2's outgoing traffic"
+    assert {(x.src, x.dst) for x in v.slow} == {(1, 2), (1, 0), (0, 2)}
+
+
 def test_links_within_a_host_are_never_named() -> None:
     hosts = ["a", "a", "b", "b"]  # rank 0-1 on a, 2-3 on b; the a-internal link is slow, not a network link
     v = judge(_ring(hosts, {(0, 1): 0.5}), hosts)

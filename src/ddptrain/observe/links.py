@@ -6,8 +6,9 @@ communication (every rank reaches that verdict at the same check, from the same 
 so all take part), each rank sends PROBE_BYTES to the next rank while receiving from the previous
 one, then (at three ranks or more) the other way round; the time each receive took is that link's.
 Links between ranks of one host are measured but never named; a cross-host link is slow when it
-takes SLOW_LINK times the fastest cross-host link and COMM_FLOOR_S more. The host that all slow
-links leave from (or all arrive at) is named; with two hosts the slow direction is.
+takes SLOW_LINK times the fastest cross-host link and COMM_FLOOR_S more. A host is named when the
+fastest of its outgoing (or incoming) links is that much slower than the other hosts' fastest ones;
+between two hosts the slow direction is named.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from ddptrain.dist import DistContext
 
 PROBE_BYTES = 1 << 20
-ROUNDS = 2  # each link's time is the faster of two rounds: a rank that started late is not a slow link
+ROUNDS = 3  # each link's time is the fastest of three rounds, each begun together: a rank late once is not a slow link
 SLOW_LINK = 3.0
 COMM_FLOOR_S = 0.005
 
@@ -41,6 +42,9 @@ class Link:
 
 
 def _exchange(ctx: DistContext, send_to: int, recv_from: int, out: torch.Tensor, inp: torch.Tensor) -> float:
+    dist.all_reduce(torch.zeros(1, device=ctx.device), group=ctx.group)  # start together
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
     t0 = time.perf_counter()
     send = dist.isend(out, send_to, group=ctx.group)
     recv = dist.irecv(inp, recv_from, group=ctx.group)
@@ -83,6 +87,25 @@ class LinkVerdict:
     host: str | None = None  # the one host all slow links leave from or arrive at (not between two hosts)
 
 
+def _slow_end(links: list[Link], hosts: list[str], end: str) -> tuple[str, float] | None:
+    """The host whose fastest outgoing (end="src") or incoming ("dst") link is slow against the other
+    hosts' fastest ones, with that ratio; a rank that started its probe late makes one link slow, not
+    every link of its host."""
+    best: dict[str, float] = {}
+    for x in links:
+        h = hosts[getattr(x, end)]
+        best[h] = min(best.get(h, x.seconds), x.seconds)
+    found = None
+    for h, seconds in best.items():
+        others = [v for k, v in best.items() if k != h]
+        ref = sorted(others)[len(others) // 2]
+        if seconds > SLOW_LINK * ref and seconds > ref + COMM_FLOOR_S:
+            ratio = seconds / ref if ref > 0 else float("inf")
+            if found is None or ratio > found[1]:
+                found = (h, ratio)
+    return found
+
+
 def judge(links: list[Link], hosts: list[str]) -> LinkVerdict:
     """Which cross-host links are slow, and the host (or, between two hosts, the direction) they share."""
     cross = [x for x in links if hosts[x.src] != hosts[x.dst]]
@@ -93,17 +116,16 @@ def judge(links: list[Link], hosts: list[str]) -> LinkVerdict:
         (x for x in cross if x.seconds > SLOW_LINK * fastest.seconds and x.seconds > fastest.seconds + COMM_FLOOR_S),
         key=lambda x: -x.seconds,
     )
-    senders, receivers = {hosts[x.src] for x in slow}, {hosts[x.dst] for x in slow}
     if not slow:
         return LinkVerdict([], fastest)
-    if len(senders) == 1 and len(receivers) == 1:
-        return LinkVerdict(slow, fastest, f"the link {hosts[slow[0].src]} -> {hosts[slow[0].dst]}")
-    if len(senders) == 1:
-        host = senders.pop()
-        return LinkVerdict(slow, fastest, f"{host}'s outgoing traffic", host)
-    if len(receivers) == 1:
-        host = receivers.pop()
-        return LinkVerdict(slow, fastest, f"{host}'s incoming traffic", host)
+    if len(set(hosts)) == 2:
+        worst = slow[0]
+        return LinkVerdict(slow, fastest, f"the link {hosts[worst.src]} -> {hosts[worst.dst]}")
+    sender, receiver = _slow_end(cross, hosts, "src"), _slow_end(cross, hosts, "dst")
+    if sender is not None and (receiver is None or sender[1] >= receiver[1]):
+        return LinkVerdict(slow, fastest, f"{sender[0]}'s outgoing traffic", sender[0])
+    if receiver is not None:
+        return LinkVerdict(slow, fastest, f"{receiver[0]}'s incoming traffic", receiver[0])
     return LinkVerdict(slow, fastest, "several links: " + ", ".join(f"{hosts[x.src]} -> {hosts[x.dst]}" for x in slow))
 
 
