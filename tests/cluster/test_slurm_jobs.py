@@ -68,18 +68,31 @@ def slurm(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
 
 def _submit(slurm: SlurmCluster, cwd: Path, args: list[str]) -> str:
     """`ddptrain slurm ... --submit` as a user would type it; returns the job id."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddptrain", "slurm", *args, "--submit"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env=slurm.env(env_for_subprocess()),
-    )
-    assert proc.returncode == 0, proc.stderr
-    match = re.search(r"submitted job (\d+)", proc.stdout)
-    assert match, proc.stdout
-    return match.group(1)
+    return _submit_together(slurm, [(cwd, args)])[0]
+
+
+def _submit_together(slurm: SlurmCluster, jobs: list[tuple[Path, list[str]]]) -> list[str]:
+    """Several `ddptrain slurm ... --submit` at once (each imports torch first: on a loaded machine one
+    after the other could submit the second job after the first one ended); returns the job ids."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddptrain", "slurm", *args, "--submit"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=slurm.env(env_for_subprocess()),
+        )
+        for cwd, args in jobs
+    ]
+    ids = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        match = re.search(r"submitted job (\d+)", out)
+        assert match, out
+        ids.append(match.group(1))
+    return ids
 
 
 def _job_log(run_dir: Path) -> str:
@@ -220,7 +233,7 @@ def test_two_jobs_on_the_same_head_node_at_once_both_finish(
         "--step-seconds",
         "5",
     ]
-    runs, jobs = [tmp_path / "a" / "run", tmp_path / "b" / "run"], []
+    runs, submissions = [tmp_path / "a" / "run", tmp_path / "b" / "run"], []
     for run_dir, steps in zip(runs, (40, 60)):
         run_dir.parent.mkdir()
         config = [
@@ -230,7 +243,8 @@ def test_two_jobs_on_the_same_head_node_at_once_both_finish(
             f"data.dir={corpus_dir}",
             f"run.dir={run_dir}",
         ]
-        jobs.append(_submit(slurm, run_dir.parent, [*config, *one_cpu]))
+        submissions.append((run_dir.parent, [*config, *one_cpu]))
+    jobs = _submit_together(slurm, submissions)
     infos = [slurm.wait_for(job, DONE, 240) for job in jobs]
     logs = [_job_log(run_dir) for run_dir in runs]
     for info, log in zip(infos, logs):
