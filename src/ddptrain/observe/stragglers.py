@@ -92,11 +92,11 @@ class StragglerDetector:
                 self._busy[r].append(max(0.0, x - wait[r][i]))
             self._comm.append(min(row[i] for row in comm))
         findings = []
-        ratios = self.ratios()
+        ratios, means = self.ratios(), None
         for r, ratio in enumerate(ratios):
             self._strikes[r] = self._strikes[r] + 1 if ratio > self.factor else 0
             if self._strikes[r] >= self.confirm:
-                means = self._capped_means()
+                means = means or self._capped_means()  # a confirmed ratio means the window is full
                 findings.append(Finding("compute", ratio, means[r], median(means[:r] + means[r + 1 :]), r))
         # A straggler slows the all-reduce too (it is the last to arrive, and its own communication
         # thread competes with it): communication is only judged when no rank computes slower.
