@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -39,6 +40,21 @@ def prepare_tiny_corpus(out: Path) -> Path:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / name for name in ("argparse.py", "typing.py", "inspect.py")]
     prepare_corpus(files, out, val_fraction=0.1)
+    return out
+
+
+def folder_bytes(folder: Path) -> dict[str, str]:
+    """Every entry under folder: a file's SHA-256, a link's target, "dir" for a folder (to prove a
+    command changed nothing on disk)."""
+    out = {}
+    for entry in sorted(folder.rglob("*")):
+        name = str(entry.relative_to(folder))
+        if entry.is_symlink():
+            out[name] = "-> " + os.readlink(entry)
+        elif entry.is_dir():
+            out[name] = "dir"
+        else:
+            out[name] = hashlib.sha256(entry.read_bytes()).hexdigest()
     return out
 
 

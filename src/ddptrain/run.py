@@ -7,7 +7,7 @@ would deadlock the job):
 
  1. distributed context      init_distributed: rendezvous, the training group, host names
  2. run folder               rank 0 takes the folder's lease (one writer per run.dir) and
-                             every rank learns the outcome (a broadcast); rank 0 writes config.yaml
+                             every rank learns the outcome (a broadcast)
  3. data                     the default corpus (local rank 0 prepares, any_rank agrees), datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
@@ -21,7 +21,8 @@ would deadlock the job):
  7. observers                metrics and tracker sinks, progress (rank 0 only), triage.setup(): a broadcast,
                              an all-gather of pids
  8. resume                   rank 0 verifies and checks the config, everyone receives its choice
-                             (a broadcast)
+                             (a broadcast); only then, with the run accepted, rank 0 writes
+                             config.yaml and every rank's held log lines reach logs/rank-<r>.log
 Then `Run.fit()` trains.
 """
 
@@ -242,11 +243,6 @@ def _build(
         ensure_default_corpus(cfg, ctx)
         data_vocab = read_meta(Path(cfg.data.dir))["vocab_size"] if cfg.data.target is None else None
         cfg.model = fit_vocab_to_data(cfg.model, data_vocab)  # the built-in GPT takes the data's vocabulary
-    if ctx.is_main:
-        try:
-            write_text_replace(run_dir / "config.yaml", cfg.to_yaml())
-        except OSError as e:
-            raise UserError(f"cannot write the run folder {run_dir}: {e.strerror or e}") from None
     seed_everything(cfg.run.seed)
     train_set, val_set = build_datasets(cfg) if datasets is None else datasets
     agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_datasets))
@@ -268,11 +264,21 @@ def _build(
     run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease, timeline)
     try:
         _resume(run)
+        if ctx.is_main:  # only now: a refused run (exit 2) leaves the folder's config.yaml as it was
+            _write_config(cfg)
     except BaseException:
         run.lease = None  # released by build_run
         run.close()
         raise
     return run
+
+
+def _write_config(cfg: Config) -> None:
+    """Rank 0: run.dir/config.yaml, the config this run was accepted with (eval, export, report read it)."""
+    try:
+        write_text_replace(cfg.run_dir / "config.yaml", cfg.to_yaml())
+    except OSError as e:
+        raise UserError(f"cannot write the run folder {cfg.run_dir}: {e.strerror or e}") from None
 
 
 def _say(text: str) -> None:
@@ -393,9 +399,10 @@ def train(
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
-    with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
+    with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname, hold=True) as logs:
         timeline.mark("process_group_ready")
         run = build_run(cfg, ctx, model, datasets, timeline=timeline)
+        logs.accept()  # the run is accepted: its set-up lines reach the rank's log file
         try:
             return run.fit()
         finally:

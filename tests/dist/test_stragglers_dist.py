@@ -3,9 +3,11 @@ process, which the code cannot see coming) is named with its host within 50 step
 an undisturbed 4-rank run raises no alarm in 2,000 steps. The figures measured are printed (pytest -s
 shows them).
 
-These are measurements, marked `measure`: `make test` runs them alone, before the other tests, so that
-no other test competes for the cores while they run (another pytest worker's load lands unevenly on
-the ranks and is a real straggler).
+These are measurements, marked `measure`: only `make test-measure` runs them, alone, so that no other
+test competes for the cores while they run (another pytest worker's load lands unevenly on the ranks
+and is a real straggler). `make test` never does: a timing must not decide whether a change lands.
+The detector's behaviour is tested there with deterministic inputs (tests/unit/test_stragglers_unit.py)
+and a deliberate 2x straggler (tests/dist/test_observe_dist.py).
 
 A virtual machine's CPUs also slow down on their own, unseen by the guest (a neighbour on the host's
 core): one vCPU ran 1.2-1.6x slower for 0.3-2 s at a time here, and at 2 ranks the rank on it is then

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain.checkpoint.lease import LEASE, RunLease, read_owner
-from helpers import run_ddptrain
+from helpers import folder_bytes, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -35,6 +35,16 @@ def test_replay_at_the_same_world_size_is_bit_identical(trained: Path) -> None:
     assert "identical: logged steps 25, 30: sample ids, 4 parameter and 12 optimizer-state digests and losses are " \
            "bit-identical" in proc.stdout, proc.stdout
     print(proc.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_a_refused_resume_leaves_the_run_verifiable(trained: Path) -> None:
+    before = folder_bytes(trained)
+    refused = run_ddptrain(["train", *ARGS, f"run.dir={trained}", "train.global_batch_size=64"], timeout=120)
+    assert refused.returncode == 2 and "train.global_batch_size (32 -> 64)" in refused.stderr, refused.stderr
+    assert folder_bytes(trained) == before  # config.yaml included: it still describes the checkpoints
+    proc = run_ddptrain(["verify-resume", str(trained), "--from", "20", "--steps", "5"], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(300)

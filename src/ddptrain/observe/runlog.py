@@ -78,11 +78,37 @@ class ConsoleHandler(_OneComplaint, logging.Handler):
 
 
 class RankFileHandler(_OneComplaint, logging.StreamHandler):  # type: ignore[type-arg]
-    """This rank's log file, opened for appending without following a link."""
+    """This rank's log file, opened for appending without following a link.
 
-    def __init__(self, path: Path) -> None:
+    hold: keep the records in memory until accept() (a run not yet accepted, whose refusal must
+    leave the file as it was); discard() drops them.
+    """
+
+    def __init__(self, path: Path, hold: bool = False) -> None:
         super().__init__(open_append_no_follow(path, encoding="utf-8"))
         self.baseFilename = str(path)
+        self._held: list[logging.LogRecord] = []
+        self._state = "hold" if hold else "write"  # -> "write" (accept) or "drop" (discard)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._state == "write":
+            super().emit(record)
+        elif self._state == "hold":
+            self._held.append(record)
+
+    def accept(self) -> None:
+        """Write the held records, and every record from now on, to the file (unless discarded)."""
+        if self._state == "hold":
+            self._state = "write"
+            for record in self._held:
+                self.handle(record)
+            self._held.clear()
+
+    def discard(self) -> None:
+        """A refused run: drop the held records and every later one; the file stays as it was."""
+        if self._state == "hold":
+            self._state = "drop"
+            self._held.clear()
 
     def close(self) -> None:
         try:
@@ -98,29 +124,33 @@ def console_handler(stream: TextIO | None = None) -> ConsoleHandler:
 
 @contextmanager
 def run_logging(
-    run_dir: Path, rank: int, world_size: int, hostname: str, console: bool | None = None
-) -> Iterator[Path]:
+    run_dir: Path, rank: int, world_size: int, hostname: str, console: bool | None = None, hold: bool = False
+) -> Iterator[RankFileHandler]:
     """While the block runs: this rank's records go to run_dir/logs/rank-<rank>.log, rank 0's to stdout.
 
     console: show records on stdout (default: rank 0 only). An exception leaving the block is
     logged to the file (with its traceback unless it is bad input or a requested stop).
+    hold: the file gets nothing until the yielded handler's accept(); bad input (UserError) leaving
+    the block before that drops the held records, so a refused run leaves the file as it was
+    (its one line is on stderr); any other exception writes them, for the post-mortem.
     """
     path = run_dir / "logs" / f"rank-{rank}.log"
     try:
         ensure_dir(path.parent)
-        file_handler: logging.Handler = RankFileHandler(path)  # a planted link is refused, never followed
+        file_handler = RankFileHandler(path, hold)  # a planted link is refused, never followed
     except OSError as e:
         raise UserError(f"cannot write the run's log {path}: {e.strerror or e}") from None
     file_handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
-    handlers = [file_handler]
+    handlers: list[logging.Handler] = [file_handler]
     if console if console is not None else rank == 0:
         handlers.append(ConsoleHandler())
     for h in handlers:
         PACKAGE_LOG.addHandler(h)
     log.info("rank %d of %d on %s, pid %d", rank, world_size, hostname, os.getpid(), extra=FILE_ONLY)
     try:
-        yield path
+        yield file_handler
     except UserError as e:
+        file_handler.discard()
         log.error("%s", e, extra=FILE_ONLY)  # bad input: one line, as the command prints it
         raise
     except (Preempted, Interrupted) as e:
@@ -133,6 +163,7 @@ def run_logging(
         log.error("%s: %s", type(e).__name__, e, exc_info=True, extra=FILE_ONLY)
         raise
     finally:
+        file_handler.accept()  # a failure other than bad input still leaves its lines (no-op once accepted)
         for h in handlers:
             PACKAGE_LOG.removeHandler(h)
             try:
