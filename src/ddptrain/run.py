@@ -337,6 +337,15 @@ def _resume(run: Run) -> None:
         f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
     )
     log.info(trainer.throughput.describe())
+    if cfg.train.warmup_steps >= cfg.train.max_steps > trainer.step:
+        log.warning(
+            "train.warmup_steps=%d covers the whole run (train.max_steps=%d): the learning rate never reaches "
+            "train.lr=%g; set train.warmup_steps below train.max_steps (e.g. train.warmup_steps=%d)",
+            cfg.train.warmup_steps,
+            cfg.train.max_steps,
+            cfg.train.lr,
+            max(1, cfg.train.max_steps // 10),
+        )
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if run.timeline is not None:
         run.timeline.mark("checkpoint_loaded")
