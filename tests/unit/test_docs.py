@@ -22,7 +22,8 @@ import yaml
 from helpers import TINY, run_ddptrain
 
 from ddptrain.cli import main
-from ddptrain.config import Config
+from ddptrain.config import Config, load_config
+from ddptrain.data.corpus import prepare_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
@@ -128,10 +129,17 @@ def _shape(line: str) -> re.Pattern[str]:
     return re.compile("^" + r"\d[\d,.:]*(e[-+]\d+)?".join(literal) + "$")
 
 
+def _prepare_example_data(argv: list[str], tmp: Path) -> None:
+    """A tiny corpus where the example config's data.dir points: `ddptrain slurm` refuses one never prepared."""
+    data_dir = load_config(argv[argv.index("-c") + 1]).data.dir
+    prepare_corpus([Path(shlex.__file__)], tmp / data_dir, 0.1)
+
+
 def check_generated_slurm_script(command: str, tmp: Path) -> None:
     """docs/clusters.md shows the script this command writes (paths and submission id aside)."""
     argv = shlex.split(command)[1:] + ["--python", "/mnt/shared/venvs/ddptrain/bin/python"]
     argv = [str(ROOT / a) if a.startswith("examples/") else a for a in argv if a != "[--submit]"]
+    _prepare_example_data(argv, tmp)
     rc, out, err = _ddptrain(argv, tmp)
     assert rc == 0, err
     script = Path(out.split("wrote ", 1)[1].strip())
@@ -159,6 +167,8 @@ def check_runs_and_prints_documents(command: str, tmp: Path) -> None:
         for a in shlex.split(command.split(" > ")[0])[1:]
         if a != "--submit"
     ]
+    if argv[0] == "slurm":
+        _prepare_example_data(argv, tmp)
     rc, out, err = _ddptrain(argv, tmp)
     assert rc == 0, err
     if argv[0] == "k8s":

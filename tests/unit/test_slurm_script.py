@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from ddptrain.cli import main
+from ddptrain.data.corpus import prepare_corpus
 
 
 def _generate(tmp_path: Path, *args: str) -> Path:
@@ -147,3 +149,42 @@ def test_submit_without_sbatch_is_a_clear_error(
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on PATH
     assert main(["slurm", f"run.dir={tmp_path / 'run'}", "--submit"]) == 2
     assert "sbatch not found" in capsys.readouterr().err
+
+
+def _node_command(script: Path) -> str:
+    """The command srun runs on each node (the `bash -c` argument of the srun line)."""
+    srun = next(line for line in script.read_text().splitlines() if line.startswith("srun "))
+    words = shlex.split(srun)
+    return words[words.index("-c") + 1]
+
+
+def test_the_script_names_what_every_node_must_see_and_each_node_checks_it(tmp_path: Path) -> None:
+    data = tmp_path / "corpus"
+    prepare_corpus([Path(shlex.__file__)], data, 0.1)
+    script = _generate(tmp_path, f"data.dir={data}", "--python", str(tmp_path / "no-venv" / "bin" / "python"))
+    text = script.read_text()
+    for shared in (f"the working folder (--chdir): {tmp_path}", f"data.dir: {data}", f"run.dir: {tmp_path / 'run'}",
+                   f"the interpreter (--python): {tmp_path / 'no-venv' / 'bin' / 'python'}"):
+        assert f"#   {shared}\n" in text, text
+    env = {"SLURMD_NODENAME": "node7", "PATH": "/usr/bin:/bin"}
+    node = subprocess.run(["bash", "-c", _node_command(script)], capture_output=True, text=True, env=env, timeout=30)
+    assert node.returncode == 2, node
+    assert node.stderr == (f"ddptrain-slurm: node node7 cannot see the interpreter (--python) "
+                           f"{tmp_path / 'no-venv' / 'bin' / 'python'}: every node must see it at the same path "
+                           "(a shared filesystem)\n")
+    (tmp_path / "corpus-gone").mkdir()
+    moved = _generate(tmp_path, f"data.dir={data}", "--python", "sh")  # a name on PATH is found there
+    data.rename(tmp_path / "corpus-gone" / "corpus")  # as if this node did not mount it
+    node = subprocess.run(["bash", "-c", _node_command(moved)], capture_output=True, text=True, env=env, timeout=30)
+    assert node.returncode == 2 and f"cannot see data.dir {data}: every node" in node.stderr, node
+
+
+def test_a_data_dir_without_a_prepared_corpus_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["slurm", f"run.dir={tmp_path / 'run'}", "data.dir=nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.dir nowhere ({tmp_path / 'nowhere'}) holds no prepared corpus (meta.json)" in err
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+    default = _generate(tmp_path)  # the default corpus is prepared on first use: not checked on the nodes
+    assert "data/stdlib ]" not in _node_command(default)
