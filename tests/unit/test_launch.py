@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,20 @@ def test_dry_run_line_is_what_torchrun_parses(capsys: pytest.CaptureFixture[str]
 def test_single_node_needs_no_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
     line = dry_run(capsys, "--nproc-per-node", "2", "--", "train")
     assert "--rdzv-endpoint localhost:0" in line and "--nproc-per-node 2" in line
+
+
+def test_auto_on_a_node_without_a_gpu_is_one_worker_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto means one worker per GPU here")
+    assert main(["launch", "--dry-run", "--nproc-per-node", "auto", "--", "train"]) == 0
+    out, err = capsys.readouterr()
+    assert "--nproc-per-node 1 " in out.splitlines()[0]  # torchrun's own auto: one worker per CPU
+    assert err == (
+        f"ddptrain launch: --nproc-per-node auto: no GPU on this node, so 1 worker using its {os.cpu_count()} "
+        "CPUs through intra-op threads; pass a number for more ranks\n"
+    )
 
 
 def test_stale_torchrun_variables_are_ignored(

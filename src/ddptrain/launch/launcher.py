@@ -87,7 +87,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--nproc-per-node",
         default="auto",
-        help="workers on this node: a number, or auto = one per GPU, else one per CPU (default auto)",
+        help="workers on this node: a number, or auto = one per GPU, else one (using every CPU through threads) (default auto)",
     )
     p.add_argument(
         "--rdzv-backend",
@@ -203,6 +203,28 @@ def nproc_per_node(value: str) -> int | None:
     return int(value)
 
 
+def workers_here(value: str) -> tuple[int, str | None]:
+    """--nproc-per-node resolved on this node, and a note saying what `auto` chose.
+
+    auto: one worker per GPU; on a node without one, a single worker, whose ops use every core
+    through torch's intra-op threads. torchrun's own auto starts one worker per CPU: 64 ranks on a
+    64-core node, each with a copy of the model and optimizer state, for about the throughput of one
+    (DDP ranks of one thread each ran 0.97x one process with that many threads here).
+    """
+    count = nproc_per_node(value)
+    if count is not None:
+        return count, None
+    import torch  # the agent already imports torch.distributed; this only asks for devices
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return gpus, None
+    return 1, (
+        f"--nproc-per-node auto: no GPU on this node, so 1 worker using its {os.cpu_count()} CPUs through "
+        "intra-op threads; pass a number for more ranks"
+    )
+
+
 def default_run_id(endpoint: str) -> str:
     """A rendezvous id every node derives alike from the endpoint, so none has to be passed around."""
     return "ddptrain-" + hashlib.sha256(endpoint.encode()).hexdigest()[:12]
@@ -258,7 +280,7 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     """(environment additions, torchrun arguments) equivalent to the launch options."""
     command = worker_command(args)
     _, max_nodes = node_counts(args.nnodes)
-    nproc_per_node(args.nproc_per_node)
+    workers, _ = workers_here(args.nproc_per_node)
     _check_numbers(args)
     etcd = args.rdzv_backend in ETCD_BACKENDS
     # torch's older etcd rendezvous calls the join timeout `timeout`; etcd-v2 shares c10d's keys.
@@ -315,7 +337,7 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         "--nnodes",
         args.nnodes,
         "--nproc-per-node",
-        str(args.nproc_per_node),
+        str(workers),
         "--rdzv-backend",
         args.rdzv_backend,
         "--rdzv-endpoint",
@@ -618,6 +640,9 @@ def launch(args: argparse.Namespace) -> int:
     inherited = {k: os.environ.pop(k) for k in sorted(os.environ) if k.startswith("PET_")}
     # torchrun reads every PET_<FLAG> as a flag: stale ones join old jobs, so the command line decides.
     env, argv = torchrun_command(args)
+    note = workers_here(args.nproc_per_node)[1]
+    if note:
+        _say(note)
     if args.dry_run:
         print(shlex.join([*(f"{k}={v}" for k, v in env.items()), "torchrun", *argv]))
         print(
