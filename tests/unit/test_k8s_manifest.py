@@ -260,3 +260,16 @@ def test_every_shape_is_valid_for_the_operator(nodes: int, gpus: int, elastic: b
     with contextlib.redirect_stdout(out):
         assert main(args) == 0
     _check_against_operator(list(yaml.safe_load_all(out.getvalue()))[1])
+
+
+@pytest.mark.parametrize(("args", "claim"), [([], "ddptrain-default-runs"), (["--pvc", "team-runs"], "team-runs")])
+def test_the_manifest_names_the_claim_it_needs_and_never_creates_it(
+    capsys: pytest.CaptureFixture[str], args: list[str], claim: str
+) -> None:
+    assert main(["k8s", "--image", "registry.example/ddptrain:1", "--shared-mount", "/data", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith(f"# Needs the PersistentVolumeClaim {claim} (ReadWriteMany; mounted at /data")
+    docs = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]  # deleting the job leaves the claim
+    volumes = docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+    assert {"name": "run-dir", "persistentVolumeClaim": {"claimName": claim}} in volumes
