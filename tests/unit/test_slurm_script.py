@@ -163,15 +163,21 @@ def test_the_script_names_what_every_node_must_see_and_each_node_checks_it(tmp_p
     prepare_corpus([Path(shlex.__file__)], data, 0.1)
     script = _generate(tmp_path, f"data.dir={data}", "--python", str(tmp_path / "no-venv" / "bin" / "python"))
     text = script.read_text()
-    for shared in (f"the working folder (--chdir): {tmp_path}", f"data.dir: {data}", f"run.dir: {tmp_path / 'run'}",
-                   f"the interpreter (--python): {tmp_path / 'no-venv' / 'bin' / 'python'}"):
+    for shared in (
+        f"the working folder (--chdir): {tmp_path}",
+        f"data.dir: {data}",
+        f"run.dir: {tmp_path / 'run'}",
+        f"the interpreter (--python): {tmp_path / 'no-venv' / 'bin' / 'python'}",
+    ):
         assert f"#   {shared}\n" in text, text
     env = {"SLURMD_NODENAME": "node7", "PATH": "/usr/bin:/bin"}
     node = subprocess.run(["bash", "-c", _node_command(script)], capture_output=True, text=True, env=env, timeout=30)
     assert node.returncode == 2, node
-    assert node.stderr == (f"ddptrain-slurm: node node7 cannot see the interpreter (--python) "
-                           f"{tmp_path / 'no-venv' / 'bin' / 'python'}: every node must see it at the same path "
-                           "(a shared filesystem)\n")
+    assert node.stderr == (
+        f"ddptrain-slurm: node node7 cannot see the interpreter (--python) "
+        f"{tmp_path / 'no-venv' / 'bin' / 'python'}: every node must see it at the same path "
+        "(a shared filesystem)\n"
+    )
     (tmp_path / "corpus-gone").mkdir()
     moved = _generate(tmp_path, f"data.dir={data}", "--python", "sh")  # a name on PATH is found there
     data.rename(tmp_path / "corpus-gone" / "corpus")  # as if this node did not mount it

@@ -188,7 +188,9 @@ def _node_check(cfg: Config, paths: dict[str, str]) -> str:
         if what in later:
             continue
         # The interpreter may be a name on PATH (--python python3); the rest are paths.
-        test = f"command -v {shlex.quote(path)}" if what.startswith("the interpreter") else f"[ -e {shlex.quote(path)} ]"
+        test = (
+            f"command -v {shlex.quote(path)}" if what.startswith("the interpreter") else f"[ -e {shlex.quote(path)} ]"
+        )
         said = shlex.quote(f"{what} {path}: every node must see it at the same path (a shared filesystem)")
         say = f'echo "ddptrain-slurm: node $SLURMD_NODENAME cannot see "{said} >&2'
         checks.append(f"{test} >/dev/null || {{ {say}; exit {EXIT_USAGE}; }}; ")
