@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed
-import torch.nn as nn
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
@@ -46,12 +45,12 @@ from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
-from ddptrain.data import build_datasets
+from ddptrain.data import build_datasets, require_data_source
 from ddptrain.data.corpus import corpus_ready, prepare_corpus, read_meta, stdlib_sources
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import CheckpointSaveError, DataError, Interrupted, NonFiniteError, Preempted, UserError
-from ddptrain.models import build_model, fit_vocab_to_data
+from ddptrain.models import build_model, fit_vocab_to_data, require_model_source
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
@@ -59,6 +58,7 @@ from ddptrain.observe.runlog import run_logging
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
+from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, record_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
 ConfigSource = Config | Mapping[str, Any] | str | Path | None
-Datasets = tuple[Dataset[Any], Dataset[Any] | None]
 
 
 @dataclass
@@ -179,8 +178,8 @@ def resolve_config(config: ConfigSource, overrides: Sequence[str] = ()) -> Confi
 def build_run(
     cfg: Config,
     ctx: DistContext,
-    model: nn.Module | None = None,
-    datasets: Datasets | None = None,
+    model: ModelSource = None,
+    datasets: DataSource = None,
     trainer_cls: type[Trainer] = Trainer,
     timeline: RecoveryTimeline | None = None,
 ) -> Run:
@@ -191,6 +190,11 @@ def build_run(
     """
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
+    model, datasets = record_sources(cfg, model, datasets)  # config.yaml says where they came from
+    if model is None:
+        require_model_source(cfg.model)  # e.g. the config.yaml of a live-object run: refused on every rank
+    if datasets is None:
+        require_data_source(cfg.data)
     lease = take_lease(run_dir, ctx)
     try:
         return _build(cfg, ctx, lease, model, datasets, trainer_cls, timeline)
@@ -230,13 +234,13 @@ def _build(
     cfg: Config,
     ctx: DistContext,
     lease: RunLease | None,
-    model: nn.Module | None,
-    datasets: Datasets | None,
+    model: ModelSource,
+    datasets: DataSource,
     trainer_cls: type[Trainer],
     timeline: RecoveryTimeline | None,
 ) -> Run:
     run_dir = cfg.run_dir
-    live_datasets = datasets is not None
+    live_data = datasets is not None
     data_vocab = None
     if datasets is None:
         ensure_default_corpus(cfg, ctx)
@@ -248,18 +252,20 @@ def _build(
         except OSError as e:
             raise UserError(f"cannot write the run folder {run_dir}: {e.strerror or e}") from None
     seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg) if datasets is None else datasets
-    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_datasets))
-    if model is None:
-        model = build_model(cfg.model, data_vocab)  # same seed on every rank: identical init (DDP also broadcasts it)
-    wrapped = wrap_model(model, cfg, ctx)
+    given = live_datasets(cfg, datasets)
+    train_set, val_set = build_datasets(cfg) if given is None else given
+    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_data))
+    # Same seed on every rank: identical init (DDP also broadcasts it).
+    built = live_model(cfg, model)
+    module = build_model(cfg.model, data_vocab) if built is None else built
+    wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
     config = cfg.model_dump(mode="json", by_alias=True)
     # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
     writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets), writer)
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()
@@ -379,16 +385,18 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
 def train(
     config: ConfigSource = None,
     *,
-    model: nn.Module | None = None,
-    datasets: Datasets | None = None,
+    model: ModelSource = None,
+    datasets: DataSource = None,
     overrides: Sequence[str] = (),
 ) -> RunResult:
     """Train per the config on this process's share of the job (one process, or one rank under torchrun).
 
     config: a Config, a mapping of config fields, a YAML path, or None for the defaults; overrides are
-    dotted `key=value` strings applied on top. model: a live nn.Module instead of `model.target`/the
-    built-in GPT (build it the same way on every rank). datasets: (train, val or None) instead of
-    `data.*`. Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
+    dotted `key=value` strings applied on top. model: an nn.Module, or a factory building one (called
+    with model.kwargs), instead of `model.target`/the built-in GPT (build it the same way on every rank).
+    datasets: (train, val or None), or a factory returning them (called with data.kwargs), instead of
+    `data.*`. An importable factory is recorded in config.yaml as model.target/data.target, so `ddptrain
+    eval` rebuilds it; live objects are recorded as model.live/data.live (run_sources.py). Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
     """
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
