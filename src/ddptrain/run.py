@@ -45,12 +45,12 @@ from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
-from ddptrain.data import build_datasets, require_data_source
+from ddptrain.data import build_datasets
 from ddptrain.data.corpus import corpus_ready, prepare_corpus, read_meta, stdlib_sources
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import CheckpointSaveError, DataError, Interrupted, NonFiniteError, Preempted, UserError
-from ddptrain.models import build_model, fit_vocab_to_data, require_model_source
+from ddptrain.models import build_model, fit_vocab_to_data
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
@@ -58,7 +58,7 @@ from ddptrain.observe.runlog import run_logging
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
-from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, record_sources
+from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
@@ -190,11 +190,7 @@ def build_run(
     """
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
-    model, datasets = record_sources(cfg, model, datasets)  # config.yaml says where they came from
-    if model is None:
-        require_model_source(cfg.model)  # e.g. the config.yaml of a live-object run: refused on every rank
-    if datasets is None:
-        require_data_source(cfg.data)
+    model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     lease = take_lease(run_dir, ctx)
     try:
         return _build(cfg, ctx, lease, model, datasets, trainer_cls, timeline)
@@ -401,6 +397,7 @@ def train(
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
+    model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
     with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
         timeline.mark("process_group_ready")
         run = build_run(cfg, ctx, model, datasets, timeline=timeline)

@@ -22,7 +22,9 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from ddptrain.config import Config
+from ddptrain.data import require_data_source
 from ddptrain.errors import ConfigError
+from ddptrain.models import require_model_source
 from ddptrain.models.gpt import GPT
 
 Datasets = tuple[Dataset[Any], Dataset[Any] | None]
@@ -63,6 +65,17 @@ def record_sources(cfg: Config, model: ModelSource, datasets: DataSource) -> tup
         cfg.data.live = None if name else f"factory {getattr(datasets, '__qualname__', repr(datasets))}"
         if name:
             cfg.data.target, datasets = name, None
+    return model, datasets
+
+
+def settle_sources(cfg: Config, model: ModelSource, datasets: DataSource) -> tuple[ModelSource, DataSource]:
+    """record_sources, then a ConfigError (exit 2) when what cfg must build itself cannot be built: e.g.
+    `ddptrain train -c` the config.yaml of a live-object run. Idempotent: run.train and build_run both call it."""
+    model, datasets = record_sources(cfg, model, datasets)
+    if model is None:
+        require_model_source(cfg.model)
+    if datasets is None:
+        require_data_source(cfg.data)
     return model, datasets
 
 

@@ -37,7 +37,8 @@ def test_one_checkpoint_one_val_loss_at_1_2_and_3_ranks(
 
     # 3 ranks, micro-batches of 5: shares of 6, 5, 5 samples, so rank 0 runs 2 batches and the others 1 and a
     # filler that does not count.
-    three = run_ddptrain(["eval", str(run_dir), "data.micro_batch_size=5", "--step", "6", "--batches", "2"],
-                         nproc=3, timeout=120)
+    three = run_ddptrain(
+        ["eval", str(run_dir), "data.micro_batch_size=5", "--step", "6", "--batches", "2"], nproc=3, timeout=120
+    )
     assert three.returncode == 0, three.stderr[-3000:]
     assert eval_line(three.stdout) == (16, pytest.approx(logged["val_loss"], abs=2e-6))
