@@ -27,25 +27,21 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ddptrain import run
-from ddptrain.checkpoint import VerifiedCheckpoint
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
-from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, DataConfig, config_from_mapping, describe_fields
+from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
-from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     EXIT_USAGE,
     ConfigError,
-    DataError,
     DdptrainError,
     LaunchError,
 )
@@ -53,8 +49,6 @@ from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
-from ddptrain.models import build_model
-from ddptrain.models.loss import extract_loss
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
@@ -88,27 +82,29 @@ def _warn(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def _model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[Config, torch.nn.Module]:
-    """The config a checkpoint was saved with (plus overrides) and its model, weights loaded, in eval mode."""
-    cfg = config_from_mapping(ckpt.manifest.config, list(overrides))
-    model = build_model(cfg.model)
-    model.load_state_dict(ckpt.state("model"))
-    return cfg, model.eval()
-
-
-def export(run_dir: str, out: str, step: int | None = None, fmt: str = "safetensors") -> int:
+def export(
+    run_dir: str, out: str, step: int | None = None, fmt: str = "safetensors", data_dir: str | None = None
+) -> int:
     """Write a checkpoint's model: plain safetensors (config beside it) or a transformers folder (--format hf)."""
     existing_dir("run folder", Path(run_dir))
     if step is not None:
         number_in("--step", step, 0, 10**15)
+    if data_dir is not None and fmt != "hf":
+        raise ConfigError("--data-dir gives --format hf its tokenizer; plain safetensors export writes none")
     if fmt == "hf":
         from ddptrain.checkpoint.export_hf import export_hf
+        from ddptrain.evaluate import model_of, tokenizer_dir
 
         out_dir = output_dir("--out", Path(out))
         ckpt = select_checkpoint(Path(run_dir), step, _warn)
-        cfg, model = _model_of(ckpt)
-        data_dir = Path(cfg.data.dir) if cfg.data.target is None else None
-        what = export_hf(model, cfg.model, data_dir, out_dir)
+        saved = config_from_mapping(ckpt.manifest.config)
+        if saved.model.live is not None and saved.model.target is None:
+            raise ConfigError(
+                f"model.live={saved.model.live!r}: --format hf exports the built-in GPT and model.hf models, "
+                "not a live nn.Module passed to ddptrain.train(); export without --format hf writes its weights"
+            )
+        cfg, model = model_of(ckpt)
+        what = export_hf(model, cfg.model, tokenizer_dir(cfg, data_dir), out_dir)
         print(f"exported {ckpt.path.name} to {out}: {what}")
         return 0
     from ddptrain.checkpoint.export import export_model
@@ -123,47 +119,16 @@ def export(run_dir: str, out: str, step: int | None = None, fmt: str = "safetens
 
 def evaluate(run_dir: str, step: int | None, split: str, batches: int, overrides: Sequence[str]) -> int:
     """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
-    import math
-
-    from ddptrain.data.dataset import load_split
-    from ddptrain.train.evaluation import evaluate_loss
-    from ddptrain.train.precision import Precision
+    from ddptrain.evaluate import evaluate_checkpoint
 
     existing_dir("run folder", Path(run_dir))
     if step is not None:
         number_in("--step", step, 0, 10**15)
     number_in("--batches", batches, 0, 10**12)
-    ckpt = select_checkpoint(Path(run_dir), step, _warn)
-    cfg, model = _model_of(ckpt, overrides)
-    if cfg.data.target is not None:
-        raise ConfigError("ddptrain eval reads a prepared corpus (data.dir); this run used data.target")
-    dataset = load_split(Path(cfg.data.dir), split, cfg.model.block_size)
-    ctx = init_distributed(cfg.dist)
-    try:
-        model.to(ctx.device)
-        mb, world = cfg.data.micro_batch_size, ctx.world_size
-        # Whole batches on every rank, so the mean of batch means is the mean over samples.
-        n = len(dataset) // (mb * world) * mb * world
-        if batches:
-            n = min(n, batches * mb * world)
-        if n < 1:
-            raise DataError(f"split {split!r} has {len(dataset)} samples, fewer than {mb} x {world} ranks")
-        precision = Precision(cfg.train.precision, ctx.device)
-
-        def forward(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-            with precision.autocast():
-                inputs, targets = (t.to(ctx.device) for t in batch)
-                return extract_loss(m(inputs, targets), "model")
-
-        loss = evaluate_loss(model, dataset, n, mb, ctx, forward)
-        if ctx.is_main:
-            print(
-                f"{ckpt.path.name} (step {ckpt.step}) on {cfg.data.dir} {split}: {n} samples, "
-                f"loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}"
-            )
-        return 0
-    finally:
-        close_distributed(ctx)
+    line = evaluate_checkpoint(select_checkpoint(Path(run_dir), step, _warn), split, batches, overrides)
+    if line is not None:
+        print(line)
+    return 0
 
 
 def report(run_dir: str, out: str | None = None) -> int:
@@ -238,7 +203,9 @@ def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None =
     return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint, etcd)
 
 
-def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> int:
+def generate(
+    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, data_dir: str | None
+) -> int:
     """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
     from ddptrain.generate import generate as sample
 
@@ -248,7 +215,8 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     number_in("--max-new-tokens", max_new_tokens, 0, 10**6)
     number_in("--seed", seed, 0, MAX_SEED)
     existing_dir("run folder", Path(run_dir))
-    text, path = sample(Path(run_dir), prompt, max_new_tokens, temperature, top_k or None, seed)
+    corpus = existing_dir("--data-dir", Path(data_dir)) if data_dir is not None else None
+    text, path = sample(Path(run_dir), prompt, max_new_tokens, temperature, top_k or None, seed, corpus)
     print(f"(sampled from {path})", file=sys.stderr)
     print(text)
     return 0
@@ -333,6 +301,9 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
         default="safetensors",
         help="hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer",
     )
+    e.add_argument(
+        "--data-dir", help="--format hf: the prepared corpus whose tokenizer to include (default: the run's data.dir)"
+    )
 
     ev = sub.add_parser("eval", help="mean loss and perplexity of a checkpoint on the validation split")
     ev.add_argument("run_dir")
@@ -343,7 +314,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
         "--batches",
         type=int,
         default=0,
-        help="micro-batches per rank (default 0: the whole split); train.eval_batches matches training",
+        help="global batches of train.global_batch_size samples, at any world size (default 0: the whole split); "
+        "the run's train.eval_batches gives the trainer's val_loss",
     )
 
     add_launch_parser(sub)
@@ -380,6 +352,7 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 for all")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--data-dir", help="the prepared corpus whose tokenizer to use (default: the run's data.dir)")
     _add_cluster_parsers(sub)
     return p
 
@@ -417,7 +390,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return prepare(args.sources, args.out, args.val_fraction, options)
     if args.command == "export":
-        return export(args.run_dir, args.out, args.step, args.format)
+        return export(args.run_dir, args.out, args.step, args.format, args.data_dir)
     if args.command == "eval":
         return evaluate(args.run_dir, args.step, args.split, args.batches, args.overrides)
     if args.command == "launch":
@@ -431,7 +404,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "verify-resume":
         return verify_resume(args.run_dir, args.start, args.steps)
     if args.command == "generate":
-        return generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        return generate(
+            args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.data_dir
+        )
     if args.command == "slurm":
         return slurm(args)
     if args.command == "k8s":

@@ -79,6 +79,10 @@ class ModelConfig(_Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the model factory given by target."
     )
+    live: str | None = Field(
+        None,
+        description="Written by ddptrain.train() when given a live nn.Module (its class): commands that rebuild the model (eval, export --format hf) then need model.target. Leave unset.",
+    )
     n_layer: int = Field(4, ge=1, description="Built-in GPT: transformer blocks.")
     n_head: int = Field(4, ge=1, description="Built-in GPT: attention heads per block.")
     n_embd: int = Field(128, ge=8, description="Built-in GPT: embedding width; must divide by n_head.")
@@ -114,6 +118,10 @@ class DataConfig(_Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the dataset factory given by target."
     )
+    live: str | None = Field(
+        None,
+        description="Written by ddptrain.train() when given live dataset objects (their classes): eval then needs data.target (or data.live=null and data.dir), export and generate --data-dir. Leave unset.",
+    )
     dir: str = Field("data/stdlib", description="Folder holding the prepared corpus (train.bin, val.bin, meta.json).")
     micro_batch_size: int = Field(16, ge=1, description="Samples per rank per forward pass.")
     num_workers: int = Field(
@@ -147,7 +155,11 @@ class TrainConfig(_Section):
         2, ge=1, description="activation_checkpointing=every_n: checkpoint one shard unit in this many."
     )
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps (and at the end); 0 disables.")
-    eval_batches: int = Field(8, ge=1, description="Micro-batches per rank per evaluation.")
+    eval_batches: int = Field(
+        8,
+        ge=1,
+        description="Global batches per evaluation: the first eval_batches x global_batch_size validation samples (all when fewer), the same samples at any world size; val_loss is their mean.",
+    )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",
         description="When the (all-reduced) gradient is NaN/inf: skip the step on every rank (decided on the device), or stop every rank at the next logged step.",

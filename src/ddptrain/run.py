@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed
-import torch.nn as nn
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
@@ -60,6 +59,7 @@ from ddptrain.observe.runlog import run_logging
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
+from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
@@ -70,7 +70,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
 ConfigSource = Config | Mapping[str, Any] | str | Path | None
-Datasets = tuple[Dataset[Any], Dataset[Any] | None]
 
 
 @dataclass
@@ -180,8 +179,8 @@ def resolve_config(config: ConfigSource, overrides: Sequence[str] = ()) -> Confi
 def build_run(
     cfg: Config,
     ctx: DistContext,
-    model: nn.Module | None = None,
-    datasets: Datasets | None = None,
+    model: ModelSource = None,
+    datasets: DataSource = None,
     trainer_cls: type[Trainer] = Trainer,
     timeline: RecoveryTimeline | None = None,
 ) -> Run:
@@ -192,6 +191,7 @@ def build_run(
     """
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
+    model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     lease = take_lease(run_dir, ctx)
     try:
         return _build(cfg, ctx, lease, model, datasets, trainer_cls, timeline)
@@ -231,31 +231,33 @@ def _build(
     cfg: Config,
     ctx: DistContext,
     lease: RunLease | None,
-    model: nn.Module | None,
-    datasets: Datasets | None,
+    model: ModelSource,
+    datasets: DataSource,
     trainer_cls: type[Trainer],
     timeline: RecoveryTimeline | None,
 ) -> Run:
     run_dir = cfg.run_dir
-    live_datasets = datasets is not None
+    live_data = datasets is not None
     data_vocab = None
     if datasets is None:
         ensure_default_corpus(cfg, ctx)
         data_vocab = read_meta(Path(cfg.data.dir))["vocab_size"] if cfg.data.target is None else None
         cfg.model = fit_vocab_to_data(cfg.model, data_vocab)  # the built-in GPT takes the data's vocabulary
     seed_everything(cfg.run.seed)
-    train_set, val_set = build_datasets(cfg) if datasets is None else datasets
-    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_datasets))
-    if model is None:
-        model = build_model(cfg.model, data_vocab)  # same seed on every rank: identical init (DDP also broadcasts it)
-    wrapped = wrap_model(model, cfg, ctx)
+    given = live_datasets(cfg, datasets)
+    train_set, val_set = build_datasets(cfg) if given is None else given
+    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_data))
+    # Same seed on every rank: identical init (DDP also broadcasts it).
+    built = live_model(cfg, model)
+    module = build_model(cfg.model, data_vocab) if built is None else built
+    wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
     config = cfg.model_dump(mode="json", by_alias=True)
     # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
     writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, model, live_datasets), writer)
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()
@@ -394,20 +396,23 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
 def train(
     config: ConfigSource = None,
     *,
-    model: nn.Module | None = None,
-    datasets: Datasets | None = None,
+    model: ModelSource = None,
+    datasets: DataSource = None,
     overrides: Sequence[str] = (),
 ) -> RunResult:
     """Train per the config on this process's share of the job (one process, or one rank under torchrun).
 
     config: a Config, a mapping of config fields, a YAML path, or None for the defaults; overrides are
-    dotted `key=value` strings applied on top. model: a live nn.Module instead of `model.target`/the
-    built-in GPT (build it the same way on every rank). datasets: (train, val or None) instead of
-    `data.*`. Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
+    dotted `key=value` strings applied on top. model: an nn.Module, or a factory building one (called
+    with model.kwargs), instead of `model.target`/the built-in GPT (build it the same way on every rank).
+    datasets: (train, val or None), or a factory returning them (called with data.kwargs), instead of
+    `data.*`. An importable factory is recorded in config.yaml as model.target/data.target, so `ddptrain
+    eval` rebuilds it; live objects are recorded as model.live/data.live (run_sources.py). Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
     """
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
+    model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
     with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname, hold=True) as logs:
         timeline.mark("process_group_ready")
         run = build_run(cfg, ctx, model, datasets, timeline=timeline)

@@ -5,11 +5,13 @@ transformers' GPT-2: learned position embeddings, pre-norm blocks, LayerNorm eps
 (GPT-2's `gelu_new`), fused q/k/v in that order, tied output embedding. Two differences are
 bridged: GPT-2's Conv1D layers store weights as (in, out), the transpose of nn.Linear, and GPT-2
 always has biases, so a bias-free GPT exports zero biases (the same function). The data's
-tokenizer goes into the folder too.
+tokenizer goes into the folder too, and its document separator becomes eos, bos and pad in
+config.json, generation_config.json and the tokenizer files (SpecialTokens), so `generate` stops.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch.nn as nn
 
 from ddptrain.config import ModelConfig
 from ddptrain.data.corpus import read_meta
-from ddptrain.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, byte_tokenizer_json, require_hf
+from ddptrain.data.tokenizer import TOKENIZER_FILE, byte_tokenizer_json, require_hf
 from ddptrain.errors import ConfigError, DataError
 
 # (ours, GPT-2's, transposed): transposed marks nn.Linear weights that GPT-2 keeps in Conv1D.
@@ -30,6 +32,20 @@ _BLOCK_MAP = (
     ("mlp.0", "mlp.c_fc", True),
     ("mlp.2", "mlp.c_proj", True),
 )
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The data's special tokens as the export carries them: eos, bos and pad are one token or absent.
+
+    The corpus puts its separator (meta.json's eos_id: `<|endoftext|>` in a BPE trained here, the tokenizer's
+    `<|endoftext|>` or last special token in a tokenizer.json) after every document, so it ends one document
+    and begins the next (eos and bos, as in GPT-2), and it pads (transformers' usual choice for GPT-2). Raw
+    bytes have no separator: eos, bos and pad stay unset, so generation stops only at max_new_tokens.
+    """
+
+    text: str | None = None
+    id: int | None = None
 
 
 def gpt2_config(cfg: ModelConfig, eos_id: int | None) -> Any:
@@ -50,6 +66,7 @@ def gpt2_config(cfg: ModelConfig, eos_id: int | None) -> Any:
         tie_word_embeddings=True,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
 
 
@@ -85,7 +102,21 @@ def gpt2_to_gpt(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
-def _data_tokenizer(data_dir: Path, out: Path) -> str:
+def special_tokens(data_dir: Path | None) -> SpecialTokens:
+    """The separator of data_dir's corpus (SpecialTokens' docstring); empty for bytes, no corpus or no data_dir."""
+    if data_dir is None or not (data_dir / "meta.json").is_file():
+        return SpecialTokens()
+    meta = read_meta(data_dir)
+    eos_id = meta.get("eos_id")
+    if eos_id is None or not meta["tokenizer"]["file"]:
+        return SpecialTokens()
+    from tokenizers import Tokenizer as HFTokenizer
+
+    text = HFTokenizer.from_file(str(data_dir / meta["tokenizer"]["file"])).id_to_token(eos_id)
+    return SpecialTokens(text, eos_id) if text is not None else SpecialTokens()
+
+
+def _data_tokenizer(data_dir: Path, out: Path, special: SpecialTokens) -> str:
     """Write the data's tokenizer into out as transformers files; a line saying what was written."""
     from transformers import PreTrainedTokenizerFast
 
@@ -95,13 +126,21 @@ def _data_tokenizer(data_dir: Path, out: Path) -> str:
         return f"no tokenizer written ({e})"
     if meta["tokenizer"]["file"]:
         source = data_dir / meta["tokenizer"]["file"]
-        eos = EOS_TOKEN
     else:
         source = byte_tokenizer_json(out / TOKENIZER_FILE)
-        eos = None
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=eos, bos_token=eos)
+    tok = special.text
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=tok, bos_token=tok, pad_token=tok)
     tokenizer.save_pretrained(str(out))
-    return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']})"
+    named = f"eos/bos/pad {tok!r} (id {special.id})" if tok is not None else "no special tokens"
+    return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']}, {named})"
+
+
+def _set_special_ids(hf_model: Any, special: SpecialTokens) -> None:
+    """The data's separator as eos/bos/pad in a transformers model's config and generation config."""
+    if special.id is None:
+        return  # bytes: nothing to set, and a model.hf config keeps its own
+    for config in (hf_model.config, hf_model.generation_config):
+        config.eos_token_id = config.bos_token_id = config.pad_token_id = special.id
 
 
 def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, out: Path) -> str:
@@ -116,22 +155,21 @@ def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, o
     from ddptrain.models.hf import HFCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    eos_id = None
-    if data_dir is not None and (data_dir / "meta.json").is_file():
-        eos_id = read_meta(data_dir).get("eos_id")
+    special = special_tokens(data_dir)
     if isinstance(model, HFCausalLM):
-        model.hf.save_pretrained(str(out))
+        hf_model = model.hf
         kind = f"transformers {type(model.hf).__name__}"
     elif isinstance(model, GPT):
-        gpt2 = GPT2LMHeadModel(gpt2_config(model_cfg, eos_id))
-        result = gpt2.load_state_dict(gpt_to_gpt2(model.state_dict(), model_cfg), strict=False)
+        hf_model = GPT2LMHeadModel(gpt2_config(model_cfg, special.id))
+        result = hf_model.load_state_dict(gpt_to_gpt2(model.state_dict(), model_cfg), strict=False)
         if result.missing_keys or result.unexpected_keys:
             raise ConfigError(
                 f"GPT-2 mapping incomplete: missing {result.missing_keys[:4]}, unexpected {result.unexpected_keys[:4]}"
             )
-        gpt2.save_pretrained(str(out))
         kind = "GPT-2 (GPT2LMHeadModel) mapped from the built-in GPT"
     else:
         raise ConfigError(f"--format hf exports the built-in GPT and model.hf models, not {type(model).__name__}")
-    tok = _data_tokenizer(data_dir, out) if data_dir is not None else "no tokenizer (data.target run)"
+    _set_special_ids(hf_model, special)
+    hf_model.save_pretrained(str(out))
+    tok = _data_tokenizer(data_dir, out, special) if data_dir is not None else "no tokenizer (data.target run)"
     return f"{kind}; {tok}"

@@ -13,7 +13,8 @@ scalar tensor, a mapping with a "loss" entry, or an object with `.loss` (a trans
 `build_datasets(**data.kwargs)` returning `(train_dataset, val_dataset_or_None)`: map-style
 `torch.utils.data.Dataset`s whose items the default collate can batch.
 
-`model.hf` builds a transformers causal LM instead (models/hf.py).
+`model.hf` builds a transformers causal LM instead (models/hf.py). `model.live` / `data.live` record
+that `ddptrain.train()` was given live objects: nothing here can rebuild those (run_sources.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,18 @@ def fit_vocab_to_data(cfg: ModelConfig, data_vocab: int | None) -> ModelConfig:
     return cfg
 
 
+def require_model_source(cfg: ModelConfig) -> None:
+    """ConfigError when the config cannot rebuild its model: a live nn.Module trained it and no model.target is set."""
+    if cfg.live is not None and cfg.target is None and cfg.hf is None:
+        raise ConfigError(
+            f"model.live={cfg.live!r}: the run trained a live nn.Module passed to ddptrain.train(), which ddptrain "
+            "cannot rebuild; add model.target=pkg.module:factory (and model.kwargs={...}) naming a factory that builds it"
+        )
+
+
 def build_model(cfg: ModelConfig, data_vocab: int | None = None) -> nn.Module:
     """The built-in GPT, a transformers model (model.hf), or the module returned by the user's factory."""
+    require_model_source(cfg)
     if cfg.hf is not None:
         from ddptrain.models.hf import build_hf_model
 

@@ -46,3 +46,19 @@ def extract_loss(output: Any, model_name: str) -> torch.Tensor:
 def model_name(model: torch.nn.Module, target: str | None) -> str:
     """How error messages name the model: its target string, or its class."""
     return repr(target) if target else type(model).__name__
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch (a tensor, or a dict/list/tuple of them) on device."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
+    """The loss of one batch under the user-model protocol: a tuple batch unpacked positionally, a dict by keyword."""
+    return extract_loss(model(**batch) if isinstance(batch, dict) else model(*batch), name)

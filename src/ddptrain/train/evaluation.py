@@ -1,19 +1,56 @@
-"""Mean loss of a model over the first samples of a dataset, split over the ranks.
+"""Mean loss of a model over a fixed set of samples, whatever the number of ranks.
 
 Shared by the trainer's periodic evaluation and `ddptrain eval`, so the two give the same number
-for the same checkpoint and the same samples.
+for the same checkpoint: the samples are the first `eval_samples(...)` of the dataset (a count
+that depends on the config, never on the world size), each read by exactly one rank, and the
+result is the mean over samples: every batch's loss (a mean over its samples, as the model
+protocol returns it) is weighted by the batch's sample count, and the ranks all-reduce one
+(sum, count) pair.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import Dataset, default_collate
 
-from ddptrain.dist import DistContext, all_reduce_mean
+from ddptrain.dist import DistContext
+
+
+def eval_samples(eval_batches: int, global_batch_size: int, dataset_len: int) -> int:
+    """How many samples one evaluation reads: eval_batches global batches, or the whole set when smaller.
+
+    eval_batches 0 means the whole set (`ddptrain eval`'s default).
+    """
+    wanted = eval_batches * global_batch_size if eval_batches else dataset_len
+    return min(wanted, dataset_len)
+
+
+@dataclass(frozen=True)
+class EvalBatch:
+    """One forward pass of an evaluation: the sample ids, and whether its loss counts (False: a filler)."""
+
+    ids: list[int]
+    counts: bool = True
+
+
+def rank_batches(num_samples: int, world_size: int, rank: int, micro_batch_size: int) -> list[EvalBatch]:
+    """Rank `rank`'s batches over samples [0, num_samples): it takes rank, rank + W, ... in micro-batches.
+
+    Every rank gets the same number of batches (sharded models and DDP buffers run collectives in the
+    forward, so every rank must call it equally often): a rank whose share ends a batch earlier runs one
+    filler batch (sample 0) that does not count. Over all ranks, each sample counts exactly once.
+    """
+    per_rank = -(-num_samples // world_size)  # the largest share (rank 0's)
+    n_batches = -(-per_rank // micro_batch_size)
+    ids = list(range(rank, num_samples, world_size))
+    batches = [EvalBatch(ids[i : i + micro_batch_size]) for i in range(0, len(ids), micro_batch_size)]
+    return batches + [EvalBatch([0], counts=False)] * (n_batches - len(batches))
 
 
 @torch.no_grad()
@@ -24,17 +61,22 @@ def evaluate_loss(
     micro_batch_size: int,
     ctx: DistContext,
     forward: Callable[[nn.Module, Any], torch.Tensor],
-) -> float:
-    """Mean over ranks of each rank's mean micro-batch loss on samples [0, num_samples), rank r taking r, r+W, ...
+) -> float | None:
+    """Mean loss over samples [0, num_samples) of dataset, split over the ranks of ctx; None for no samples.
 
-    forward(model, batch_on_device) returns the scalar loss of one batch (under autocast if wanted).
+    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted).
     """
+    if num_samples < 1:
+        return None
     model.eval()
-    ids = list(range(ctx.rank, num_samples, ctx.world_size))
-    total = torch.zeros((), device=ctx.device)
-    batches = 0
-    for i in range(0, len(ids), micro_batch_size):
-        batch = default_collate([dataset[j] for j in ids[i : i + micro_batch_size]])
-        total += forward(model, batch).float()
-        batches += 1
-    return float(all_reduce_mean(ctx, total / max(batches, 1)))
+    # float64 sums: the total must not depend on how the samples were grouped into batches and ranks.
+    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    for batch in rank_batches(num_samples, ctx.world_size, ctx.rank, micro_batch_size):
+        loss = forward(model, default_collate([dataset[j] for j in batch.ids]))
+        if batch.counts:
+            totals[0] += loss.detach().double() * len(batch.ids)
+            totals[1] += len(batch.ids)
+    if ctx.is_distributed:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
+    loss_sum, count = totals.tolist()
+    return float(loss_sum / count)

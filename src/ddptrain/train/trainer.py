@@ -28,7 +28,7 @@ from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import Preempted
-from ddptrain.models.loss import extract_loss, model_name
+from ddptrain.models.loss import call_model, model_name, to_device
 from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.perf import StepTimer, Throughput
@@ -36,7 +36,7 @@ from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.triage import Triage
 from ddptrain.train.agreement import StopAgreement
-from ddptrain.train.evaluation import evaluate_loss
+from ddptrain.train.evaluation import eval_samples, evaluate_loss
 from ddptrain.train.nonfinite import NonFiniteSteps
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
@@ -60,24 +60,9 @@ class StepResult:
     seconds: float
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
 def _phase(watchdog: Triage | None, name: str) -> AbstractContextManager[None]:
     # Evaluation and checkpoints have budgets of their own: they never trip the step budget.
     return watchdog.phase(name) if watchdog is not None else nullcontext()
-
-
-def _call(model: nn.Module, batch: Any, name: str) -> torch.Tensor:
-    # The user-model protocol: a tuple batch is unpacked positionally, a dict by keyword.
-    return extract_loss(model(**batch) if isinstance(batch, dict) else model(*batch), name)
 
 
 class Trainer:
@@ -164,7 +149,7 @@ class Trainer:
             self._batches = None
         if self._batches is None:
             self._batches = iter(self.loader)
-        return _to_device(next(self._batches), self.ctx.device)
+        return to_device(next(self._batches), self.ctx.device)
 
     def train_step(self) -> StepResult:
         """One optimizer step over `accum` micro-batches of this rank.
@@ -187,7 +172,7 @@ class Trainer:
             set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
-                loss = _call(self.ddp, batch, self.model_name) / self.accum
+                loss = call_model(self.ddp, batch, self.model_name) / self.accum
             self.timer.lap("forward")
             self.precision.backward(loss)
             self.timer.lap("backward")
@@ -212,17 +197,17 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------
 
     def evaluate(self) -> float | None:
-        """Mean validation loss over the first eval_batches micro-batches of every rank."""
+        """Mean validation loss over the first train.eval_batches x train.global_batch_size samples (any world size)."""
         if self.val_set is None:
             return None
-        mb, world = self.cfg.data.micro_batch_size, self.ctx.world_size
-        n = min(len(self.val_set), self.cfg.train.eval_batches * mb * world)  # type: ignore[arg-type]
-        return evaluate_loss(self.model, self.val_set, n, mb, self.ctx, self.eval_forward)
+        train = self.cfg.train
+        n = eval_samples(train.eval_batches, train.global_batch_size, len(self.val_set))  # type: ignore[arg-type]
+        return evaluate_loss(self.model, self.val_set, n, self.cfg.data.micro_batch_size, self.ctx, self.eval_forward)
 
     def eval_forward(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss of one evaluation batch, on the device and under the run's autocast."""
         with self.precision.autocast():
-            return _call(model, _to_device(batch, self.ctx.device), self.model_name)
+            return call_model(model, to_device(batch, self.ctx.device), self.model_name)
 
     # ---- state ------------------------------------------------------------------------------
 
