@@ -38,6 +38,7 @@ from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
+from ddptrain.data.publish import PREPARE_WAIT_S
 from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import (
     EXIT_FAILURE,
@@ -68,16 +69,28 @@ def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
     return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
 
 
-def prepare(sources: Sequence[str], out: str, val_fraction: float, options: PrepareOptions | None = None) -> int:
-    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes)."""
+def prepare(
+    sources: Sequence[str],
+    out: str,
+    val_fraction: float,
+    options: PrepareOptions | None = None,
+    wait_s: float = PREPARE_WAIT_S,
+) -> int:
+    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes).
+
+    One prepare at a time per --out folder: a second one waits up to wait_s, then reuses the first's corpus
+    when it was prepared from the same files and options (data/publish.py).
+    """
     number_in("--val-fraction", val_fraction, 0.0, 0.5, low_open=True)
+    number_in("--wait", wait_s, 0.0, MAX_TIMEOUT_S)
     output_dir("--out", Path(out))
     for source in sources:
         text_arg("a source", source)
     files = expand_sources(list(sources)) if sources else stdlib_sources()
-    info = prepare_corpus(files, Path(out), val_fraction, options)
+    info = prepare_corpus(files, Path(out), val_fraction, options, wait_s=wait_s, say=_warn)
     print(
-        f"prepared {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
+        f"{'reused the corpus another prepare made' if info.reused else 'prepared'} "
+        f"{info.files} files ({info.documents:,} documents) into {info.out_dir}: "
         f"{info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens, vocab {info.vocab_size:,}, "
         f"{info.shards} shards"
     )
@@ -313,6 +326,12 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     pr.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl files (default text)")
     pr.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
     pr.add_argument(
+        "--wait",
+        type=float,
+        default=PREPARE_WAIT_S,
+        help=f"seconds to wait for another prepare of the same --out folder (default {PREPARE_WAIT_S:g})",
+    )
+    pr.add_argument(
         "--shard-tokens",
         type=int,
         default=PrepareOptions.shard_tokens,
@@ -415,7 +434,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         options = PrepareOptions(
             tokenizer=args.tokenizer, jsonl_field=args.jsonl_field, workers=args.workers, shard_tokens=args.shard_tokens
         )
-        return prepare(args.sources, args.out, args.val_fraction, options)
+        return prepare(args.sources, args.out, args.val_fraction, options, args.wait)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step, args.format)
     if args.command == "eval":
