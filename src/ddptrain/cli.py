@@ -88,9 +88,9 @@ def prepare(
         text_arg("a source", source)
     files = expand_sources(list(sources)) if sources else stdlib_sources()
     info = prepare_corpus(files, Path(out), val_fraction, options, wait_s=wait_s, say=_warn)
+    made = "reused the corpus another prepare made from the same" if info.reused else "prepared"
     print(
-        f"{'reused the corpus another prepare made' if info.reused else 'prepared'} "
-        f"{info.files} files ({info.documents:,} documents) into {info.out_dir}: "
+        f"{made} {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
         f"{info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens, vocab {info.vocab_size:,}, "
         f"{info.shards} shards"
     )
