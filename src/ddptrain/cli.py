@@ -38,7 +38,6 @@ from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
-from ddptrain.data.publish import PREPARE_WAIT_S
 from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import (
     EXIT_FAILURE,
@@ -69,25 +68,14 @@ def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
     return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
 
 
-def prepare(
-    sources: Sequence[str],
-    out: str,
-    val_fraction: float,
-    options: PrepareOptions | None = None,
-    wait_s: float = PREPARE_WAIT_S,
-) -> int:
-    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes).
-
-    One prepare at a time per --out folder: a second one waits up to wait_s, then reuses the first's corpus
-    when it was prepared from the same files and options (data/publish.py).
-    """
+def prepare(sources: Sequence[str], out: str, val_fraction: float, options: PrepareOptions | None = None) -> int:
+    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes)."""
     number_in("--val-fraction", val_fraction, 0.0, 0.5, low_open=True)
-    number_in("--wait", wait_s, 0.0, MAX_TIMEOUT_S)
     output_dir("--out", Path(out))
     for source in sources:
         text_arg("a source", source)
     files = expand_sources(list(sources)) if sources else stdlib_sources()
-    info = prepare_corpus(files, Path(out), val_fraction, options, wait_s=wait_s, say=_warn)
+    info = prepare_corpus(files, Path(out), val_fraction, options, say=_warn)  # _warn: "waiting for ..." lines
     made = "reused the corpus another prepare made from the same" if info.reused else "prepared"
     print(
         f"{made} {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
@@ -325,12 +313,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     )
     pr.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl files (default text)")
     pr.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
-    pr.add_argument(
-        "--wait",
-        type=float,
-        default=PREPARE_WAIT_S,
-        help=f"seconds to wait for another prepare of the same --out folder (default {PREPARE_WAIT_S:g})",
-    )
+    wait_help = f"seconds to wait for another prepare of --out (default {PrepareOptions.wait_s:g})"
+    pr.add_argument("--wait", type=float, default=PrepareOptions.wait_s, help=wait_help)
     pr.add_argument(
         "--shard-tokens",
         type=int,
@@ -431,10 +415,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         if args.shard_tokens < 1 or args.workers < 0:
             raise ConfigError("--shard-tokens must be >= 1 and --workers >= 0")
-        options = PrepareOptions(
-            tokenizer=args.tokenizer, jsonl_field=args.jsonl_field, workers=args.workers, shard_tokens=args.shard_tokens
-        )
-        return prepare(args.sources, args.out, args.val_fraction, options, args.wait)
+        number_in("--wait", args.wait, 0.0, MAX_TIMEOUT_S)
+        options = PrepareOptions(args.tokenizer, args.jsonl_field, args.workers, args.shard_tokens, wait_s=args.wait)
+        return prepare(args.sources, args.out, args.val_fraction, options)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step, args.format)
     if args.command == "eval":

@@ -47,7 +47,7 @@ from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
 from ddptrain.data import build_datasets
-from ddptrain.data.corpus import corpus_ready, prepare_corpus, read_meta, stdlib_sources
+from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta, stdlib_sources
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
 from ddptrain.errors import (
@@ -368,8 +368,8 @@ def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
         if ctx.is_main:
             log.info("preparing the default corpus (Python standard library sources) into %s", data_dir)
         try:
-            wait_s = cfg.dist.timeout_s / 2
-            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction, reuse=corpus_ready, wait_s=wait_s)
+            options = PrepareOptions(wait_s=cfg.dist.timeout_s / 2)
+            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction, options, reuse=corpus_ready)
         except DdptrainError as e:
             failure = e
         except OSError as e:  # the user's folder or disk (read-only, full): prepare_corpus raises no other

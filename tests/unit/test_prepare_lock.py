@@ -91,7 +91,7 @@ def test_a_waiter_gives_up_naming_the_holder_and_writes_nothing(tmp_path: Path) 
     said: list[str] = []
     try:
         with pytest.raises(Contention, match=rf"being prepared by pid {os.getpid()} on .*gave up after waiting"):
-            prepare_corpus(FILES, tmp_path, 0.1, wait_s=0.6, say=said.append)
+            prepare_corpus(FILES, tmp_path, 0.1, PrepareOptions(wait_s=0.6), say=said.append)
     finally:
         holder.release()
     assert Contention("x").exit_code == 1  # not bad input (2)
@@ -103,7 +103,7 @@ def test_another_hosts_lock_is_honoured_until_its_heartbeat_is_stale(tmp_path: P
     elsewhere = replace(me(), host="node-elsewhere", pid=4242, heartbeat=time.time())
     (tmp_path / PREPARE_LOCK).write_text(json.dumps(asdict(elsewhere)))
     with pytest.raises(Contention, match="pid 4242 on node-elsewhere"):
-        prepare_corpus(FILES, tmp_path, 0.1, wait_s=0.3, say=lambda _: None)
+        prepare_corpus(FILES, tmp_path, 0.1, PrepareOptions(wait_s=0.3), say=lambda _: None)
     stale = replace(elsewhere, heartbeat=time.time() - STALE_S - 1)
     (tmp_path / PREPARE_LOCK).write_text(json.dumps(asdict(stale)))
     said: list[str] = []

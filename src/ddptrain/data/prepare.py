@@ -70,13 +70,15 @@ class CorpusInfo:
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes."""
+    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes; and how long to
+    wait for another preparer of the same folder (publish.py)."""
 
     tokenizer: str = "bytes"
     jsonl_field: str = "text"
     workers: int = 0  # 0: one per available core
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     task_bytes: int = DEFAULT_TASK_BYTES
+    wait_s: float = PREPARE_WAIT_S
 
 
 # ---- worker processes -------------------------------------------------------------------------
@@ -166,12 +168,11 @@ def prepare_corpus(
     options: PrepareOptions | None = None,
     *,
     reuse: Callable[[Path], bool] | None = None,
-    wait_s: float = PREPARE_WAIT_S,
     say: Callable[[str], None] = log.warning,
 ) -> CorpusInfo:
     """Tokenize the files into train/val shards in out_dir: one preparer at a time, published at once.
 
-    Holds out_dir's prepare lock, waiting up to wait_s for another preparer (and saying so through
+    Holds out_dir's prepare lock, waiting up to opts.wait_s for another preparer (and saying so through
     say); Contention (exit 1) when that runs out. Under the lock, the corpus already in out_dir is
     kept when reuse(out_dir) is true; without reuse, when this call waited for another preparer and
     that one prepared the same recipe (recipe_of). Otherwise the corpus is written into a private
@@ -184,7 +185,7 @@ def prepare_corpus(
     recipe = recipe_of(sources, val_fraction, opts, spec)
     out_dir.mkdir(parents=True, exist_ok=True)  # its errors are the user's path (a file there, no permission)
     try:
-        with PrepareLock(out_dir, wait_s, say) as lock:
+        with PrepareLock(out_dir, opts.wait_s, say) as lock:
             if reuse(out_dir) if reuse is not None else (lock.waited and read_recipe(out_dir) == recipe):
                 return _info_of(out_dir)
             lock.private.mkdir()
