@@ -69,9 +69,10 @@ def prepare(sources: Sequence[str], out: str, val_fraction: float, options: Prep
     for source in sources:
         text_arg("a source", source)
     files = expand_sources(list(sources)) if sources else stdlib_sources()
-    info = prepare_corpus(files, Path(out), val_fraction, options)
+    info = prepare_corpus(files, Path(out), val_fraction, options, say=_warn)  # _warn: "waiting for ..." lines
+    made = "reused the corpus another prepare made from the same" if info.reused else "prepared"
     print(
-        f"prepared {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
+        f"{made} {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
         f"{info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens, vocab {info.vocab_size:,}, "
         f"{info.shards} shards"
     )
@@ -280,6 +281,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     )
     pr.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl files (default text)")
     pr.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    wait_help = f"seconds to wait for another prepare of --out (default {PrepareOptions.wait_s:g})"
+    pr.add_argument("--wait", type=float, default=PrepareOptions.wait_s, help=wait_help)
     pr.add_argument(
         "--shard-tokens",
         type=int,
@@ -385,9 +388,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         if args.shard_tokens < 1 or args.workers < 0:
             raise ConfigError("--shard-tokens must be >= 1 and --workers >= 0")
-        options = PrepareOptions(
-            tokenizer=args.tokenizer, jsonl_field=args.jsonl_field, workers=args.workers, shard_tokens=args.shard_tokens
-        )
+        number_in("--wait", args.wait, 0.0, MAX_TIMEOUT_S)
+        options = PrepareOptions(args.tokenizer, args.jsonl_field, args.workers, args.shard_tokens, wait_s=args.wait)
         return prepare(args.sources, args.out, args.val_fraction, options)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step, args.format, args.data_dir)

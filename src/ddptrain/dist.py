@@ -235,11 +235,16 @@ def all_gather_floats(ctx: DistContext, value: float) -> list[float]:
 
 def any_rank(ctx: DistContext, flag: bool) -> bool:
     """True on every rank when the flag is set on at least one rank."""
+    return max_over_ranks(ctx, int(flag)) > 0
+
+
+def max_over_ranks(ctx: DistContext, value: int) -> int:
+    """The largest of every rank's small integer (an exit code, a flag), on every rank: one all-reduce."""
     if not ctx.is_distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
+        return value
+    t = torch.tensor([float(value)], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    return bool(t.item() > 0)
+    return int(t.item())
 
 
 def gather_hostnames(ctx: DistContext) -> list[str]:

@@ -2,6 +2,7 @@
 
     DdptrainError            1   a failure (the base; RankFailure and TrainingStopped are failures)
       UserError              2   bad input: config, environment, data, checkpoints, paths (one line)
+      Contention             1   another process holds (or took over) a lock this one needs: retry, not bad input
       Preempted             75   stopped on request after committing a checkpoint (EX_TEMPFAIL)
       Interrupted          130   Ctrl-C
 The CLI maps exceptions to exit codes in one place (`cli.main`) by reading `exit_code`.
@@ -43,6 +44,14 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """The launch environment (torchrun variables, devices) is inconsistent."""
+
+
+class Contention(DdptrainError):
+    """Another live process holds a lock this one needs past the wait, or took it over from this one (exit 1).
+
+    Not bad input: nothing the user gave is wrong, and running the command again (after the other process
+    ends) succeeds; a failure, so `ddptrain launch --max-restarts` may restart it, unlike exit 2.
+    """
 
 
 class TrainingStopped(DdptrainError):

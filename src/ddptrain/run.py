@@ -8,7 +8,7 @@ would deadlock the job):
  1. distributed context      init_distributed: rendezvous, the training group, host names
  2. run folder               rank 0 takes the folder's lease (one writer per run.dir) and
                              every rank learns the outcome (a broadcast)
- 3. data                     the default corpus (local rank 0 prepares, any_rank agrees), datasets
+ 3. data                     the default corpus (local rank 0 prepares, max_over_ranks agrees), datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
  4. model                    seeded identically on every rank, wrapped (train/parallel.py): DDP broadcasts
@@ -47,10 +47,18 @@ from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
 from ddptrain.data import build_datasets
-from ddptrain.data.corpus import corpus_ready, prepare_corpus, read_meta, stdlib_sources
+from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta, stdlib_sources
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
-from ddptrain.dist import DistContext, any_rank, close_distributed, init_distributed, read_torchrun_env
-from ddptrain.errors import CheckpointSaveError, DataError, Interrupted, NonFiniteError, Preempted, UserError
+from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
+from ddptrain.errors import (
+    CheckpointSaveError,
+    DataError,
+    DdptrainError,
+    Interrupted,
+    NonFiniteError,
+    Preempted,
+    UserError,
+)
 from ddptrain.models import build_model, fit_vocab_to_data
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -363,21 +371,34 @@ def _resume(run: Run) -> None:
 
 
 def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
-    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait)."""
+    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait).
+
+    Nodes sharing a filesystem (a shared home) take turns through the folder's prepare lock and the
+    later ones reuse the corpus the first published; a node waits at most half of dist.timeout_s (the
+    other ranks wait for it in the all-reduce below, bounded by that timeout).
+    """
     if cfg.data.target is not None or cfg.data.dir != DEFAULT_DATA_DIR:
         return
     data_dir = Path(cfg.data.dir)
-    error: str | None = None
+    failure: DdptrainError | None = None
     if ctx.local_rank == 0 and not corpus_ready(data_dir):
         if ctx.is_main:
             log.info("preparing the default corpus (Python standard library sources) into %s", data_dir)
         try:
-            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction)
-        except (DataError, OSError) as e:
-            error = str(e)
-    # Every rank learns whether preparation failed; nobody waits on a rank that gave up.
-    if any_rank(ctx, error is not None):
-        raise DataError(error or f"preparing the default corpus in {data_dir} failed on another rank")
+            options = PrepareOptions(wait_s=cfg.dist.timeout_s / 2)
+            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction, options, reuse=corpus_ready)
+        except DdptrainError as e:
+            failure = e
+        except OSError as e:  # the user's folder or disk (read-only, full): prepare_corpus raises no other
+            failure = DataError(f"cannot prepare the default corpus in {data_dir}: {e.strerror or e}")
+    # Every rank learns the worst outcome (0, or an exit code) and fails with it: nobody waits on a rank that
+    # gave up, and every rank exits alike (bad input 2, never restarted; a lost lock or a timeout 1).
+    worst = max_over_ranks(ctx, failure.exit_code if failure else 0)
+    if failure is not None and failure.exit_code == worst:
+        raise failure
+    if worst:
+        elsewhere = f"preparing the default corpus in {data_dir} failed on another rank"
+        raise DataError(elsewhere) if worst == DataError.exit_code else DdptrainError(elsewhere)
 
 
 @contextmanager

@@ -16,7 +16,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from ddptrain.data.prepare import META, SPLITS, CorpusInfo, PrepareOptions, prepare_corpus
+from ddptrain.data.prepare import SPLITS, CorpusInfo, PrepareOptions, prepare_corpus
+from ddptrain.data.publish import META
 from ddptrain.errors import DataError
 
 __all__ = [

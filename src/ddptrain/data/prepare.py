@@ -6,27 +6,32 @@ read and tokenize whole tasks; the main process takes their results in task orde
 streams both into shards (shards.py). At most two tasks per worker are in flight, so the peak
 memory depends on the task size and the worker count, never on the corpus size.
 
-Everything is deterministic in the inputs: a prepare that was killed and is run again rewrites the
-same shards. `meta.json` is removed first and written last, so a folder is usable only once a
-prepare has completed into it.
+Everything is deterministic in the inputs: a prepare that was killed and is run again writes the
+same shards. One preparer at a time writes a folder (its prepare lock), into a private folder
+published with meta.json last (publish.py), so a folder is usable only once a prepare has completed
+into it, and a corpus is never seen half-written.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ddptrain.data.publish import META, PREPARE_WAIT_S, PrepareLock, read_recipe
 from ddptrain.data.shards import ShardWriter
 from ddptrain.data.sources import Task, iter_documents, plan_tasks, read_documents
 from ddptrain.data.tokenizer import (
@@ -37,17 +42,21 @@ from ddptrain.data.tokenizer import (
     sha256_file,
     train_bpe,
 )
-from ddptrain.errors import DataError
+from ddptrain.errors import DataError, DdptrainError
 
-META = "meta.json"
+__all__ = ["META", "SPLITS", "CorpusInfo", "PrepareOptions", "prepare_corpus", "recipe_of"]
+
+log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26
 DEFAULT_TASK_BYTES = 1 << 20
+# OS errors that are the user's folder or disk, not this prepare's doing: they stay OSErrors (exit 2).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 
 
 @dataclass(frozen=True)
 class CorpusInfo:
-    """What `prepare` wrote."""
+    """What `prepare` wrote (or found, when another preparer wrote it first)."""
 
     out_dir: Path
     files: int
@@ -56,17 +65,20 @@ class CorpusInfo:
     documents: int = 0
     vocab_size: int = 256
     shards: int = 2
+    reused: bool = False  # True when another preparer made it while this one waited
 
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes."""
+    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes; and how long to
+    wait for another preparer of the same folder (publish.py)."""
 
     tokenizer: str = "bytes"
     jsonl_field: str = "text"
     workers: int = 0  # 0: one per available core
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     task_bytes: int = DEFAULT_TASK_BYTES
+    wait_s: float = PREPARE_WAIT_S
 
 
 # ---- worker processes -------------------------------------------------------------------------
@@ -122,47 +134,98 @@ def _results(
 # ---- the pipeline -------------------------------------------------------------------------------
 
 
-def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], out_dir: Path, jsonl_field: str) -> Tokenizer:
-    target = out_dir / TOKENIZER_FILE
+def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, jsonl_field: str) -> Tokenizer:
+    target = folder / TOKENIZER_FILE
     if spec.kind == "bytes":
-        target.unlink(missing_ok=True)
         return Tokenizer(None, 256, None)
     if spec.kind == "file":
         assert spec.path is not None
-        if spec.path.resolve() != target.resolve():
-            tmp = out_dir / f".{TOKENIZER_FILE}.{os.getpid()}.tmp"
-            shutil.copyfile(spec.path, tmp)
-            os.replace(tmp, target)
+        shutil.copyfile(spec.path, target)
     else:
         train_bpe(iter_documents(files, jsonl_field), spec.vocab_size, target)
     return load_tokenizer_file(target)
 
 
-def _clear_leftovers(out_dir: Path, keep: set[str]) -> None:
-    """Temporary files of an interrupted prepare, and shards or legacy files this prepare did not write."""
-    for p in out_dir.iterdir():
-        stale_shard = p.suffix == ".bin" and p.name.split("-")[0] in SPLITS and p.name not in keep
-        legacy = p.name in ("train.bin", "val.bin")
-        if p.is_file() and (p.name.endswith(".tmp") or stale_shard or legacy):
-            p.unlink()
+def recipe_of(sources: list[Path], val_fraction: float, opts: PrepareOptions, spec: TokenizerSpec) -> str:
+    """One SHA-256 naming what a prepare makes from what: the files (path, size, modification time), the
+    validation fraction and the options that change the output (not the worker count, which does not)."""
+    files = []
+    for path in sources:
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror}") from None
+        files.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
+    tokenizer = sha256_file(spec.path) if spec.path is not None else opts.tokenizer
+    described = [files, val_fraction, tokenizer, opts.jsonl_field, opts.shard_tokens, opts.task_bytes]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
 def prepare_corpus(
-    sources: list[Path], out_dir: Path, val_fraction: float, options: PrepareOptions | None = None
+    sources: list[Path],
+    out_dir: Path,
+    val_fraction: float,
+    options: PrepareOptions | None = None,
+    *,
+    reuse: Callable[[Path], bool] | None = None,
+    say: Callable[[str], None] = log.warning,
 ) -> CorpusInfo:
-    """Tokenize the files into train/val shards in out_dir with meta.json written last."""
+    """Tokenize the files into train/val shards in out_dir: one preparer at a time, published at once.
+
+    Holds out_dir's prepare lock, waiting up to opts.wait_s for another preparer (and saying so through
+    say); Contention (exit 1) when that runs out. Under the lock, the corpus already in out_dir is
+    kept when reuse(out_dir) is true; without reuse, when this call waited for another preparer and
+    that one prepared the same recipe (recipe_of). Otherwise the corpus is written into a private
+    folder and published into out_dir with meta.json last (publish.py).
+    """
     opts = options or PrepareOptions()
     if not sources:
         raise DataError("no source files to prepare")
     spec = TokenizerSpec.parse(opts.tokenizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / META).unlink(missing_ok=True)  # the folder is incomplete until meta.json is back
-    _clear_leftovers(out_dir, keep={p.name for p in out_dir.iterdir()})
-    tokenizer = _setup_tokenizer(spec, sources, out_dir, opts.jsonl_field)
+    recipe = recipe_of(sources, val_fraction, opts, spec)
+    out_dir.mkdir(parents=True, exist_ok=True)  # its errors are the user's path (a file there, no permission)
+    try:
+        with PrepareLock(out_dir, opts.wait_s, say) as lock:
+            if reuse(out_dir) if reuse is not None else (lock.waited and read_recipe(out_dir) == recipe):
+                return _info_of(out_dir)
+            lock.private.mkdir()
+            info = _prepare_into(sources, lock.private, val_fraction, opts, spec, recipe)
+            lock.publish()
+    except OSError as e:
+        if e.errno in DISK_ERRNOS:
+            raise  # the user's folder or disk: read-only, no permission, full (exit 2, as everywhere)
+        # Anything else on files only this prepare writes (one vanished, an I/O error) is no bad input.
+        where = f": {e.filename}" if e.filename else ""
+        raise DdptrainError(f"preparing {out_dir} failed: {e.strerror or e}{where}") from e
+    return replace(info, out_dir=out_dir)
+
+
+def _info_of(out_dir: Path) -> CorpusInfo:
+    """What the corpus another preparer published into out_dir holds (the one this call reuses)."""
+    meta = json.loads((out_dir / META).read_text())
+    shards = meta.get("shards") or {}
+    count = sum(len(shards.get(s) or []) for s in SPLITS) if shards else 2  # legacy: train.bin, val.bin
+    return CorpusInfo(
+        out_dir,
+        int(meta.get("files", 0)),
+        int(meta["train_tokens"]),
+        int(meta["val_tokens"]),
+        int(meta.get("documents", 0)),
+        int(meta.get("vocab_size", 256)),
+        count,
+        reused=True,
+    )
+
+
+def _prepare_into(
+    sources: list[Path], folder: Path, val_fraction: float, opts: PrepareOptions, spec: TokenizerSpec, recipe: str
+) -> CorpusInfo:
+    """The pipeline: tokenize the files into shards and meta.json in folder (a fresh, private one)."""
+    tokenizer = _setup_tokenizer(spec, sources, folder, opts.jsonl_field)
     workers = opts.workers or len(os.sched_getaffinity(0))
-    writers = {s: ShardWriter(out_dir, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
+    writers = {s: ShardWriter(folder, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
     documents = input_bytes = 0
-    for tokens, docs, nbytes in _results(plan_tasks(sources, opts.task_bytes), tokenizer, out_dir, opts, workers):
+    for tokens, docs, nbytes in _results(plan_tasks(sources, opts.task_bytes), tokenizer, folder, opts, workers):
         n_val = int(len(tokens) * val_fraction)
         writers["train"].append(tokens[: len(tokens) - n_val])
         writers["val"].append(tokens[len(tokens) - n_val :])
@@ -170,19 +233,17 @@ def prepare_corpus(
         input_bytes += nbytes
     shards = {s: w.finish() for s, w in writers.items()}
     counts = {s: sum(x["tokens"] for x in shards[s]) for s in SPLITS}
-    _clear_leftovers(out_dir, keep={x["file"] for s in SPLITS for x in shards[s]})
     if counts["train"] < 1024 or counts["val"] < 256:
         raise DataError(
             f"corpus too small: {counts['train'] + counts['val']} tokens from {len(sources)} file(s); "
             "need at least ~8 KB of text"
         )
-    tok_file = out_dir / TOKENIZER_FILE
     meta = {
         "format": 2,
         "tokenizer": {
             "kind": spec.kind,
             "file": TOKENIZER_FILE if tokenizer.hf is not None else None,
-            "sha256": sha256_file(tok_file) if tokenizer.hf is not None else None,
+            "sha256": sha256_file(folder / TOKENIZER_FILE) if tokenizer.hf is not None else None,
         },
         "vocab_size": tokenizer.vocab_size,
         "dtype": tokenizer.dtype.name,
@@ -194,12 +255,14 @@ def prepare_corpus(
         "train_tokens": counts["train"],
         "val_tokens": counts["val"],
         "shards": shards,
+        "recipe": recipe,
     }
-    tmp = out_dir / f".{META}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out_dir / META)
+    with open(folder / META, "w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     return CorpusInfo(
-        out_dir,
+        folder,
         len(sources),
         counts["train"],
         counts["val"],
