@@ -640,10 +640,10 @@ def launch(args: argparse.Namespace) -> int:
     inherited = {k: os.environ.pop(k) for k in sorted(os.environ) if k.startswith("PET_")}
     # torchrun reads every PET_<FLAG> as a flag: stale ones join old jobs, so the command line decides.
     env, argv = torchrun_command(args)
-    note = workers_here(args.nproc_per_node)[1]
-    if note:
-        _say(note)
+    note = workers_here(args.nproc_per_node)[1]  # said once the launch goes ahead: a refusal is one line
     if args.dry_run:
+        if note:
+            _say(note)
         print(shlex.join([*(f"{k}={v}" for k, v in env.items()), "torchrun", *argv]))
         print(
             f"# beyond torchrun: worker exit {EXIT_PREEMPTED}, {EXIT_INTERRUPTED} or {EXIT_USAGE} ends the job with "
@@ -676,6 +676,8 @@ def launch(args: argparse.Namespace) -> int:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))
     except (ValueError, AssertionError, RuntimeError) as e:
         raise LaunchError(f"invalid launch options: {e}") from None
+    if note:
+        _say(note)
     if args.worker_start == "preloaded":
         config.start_method = use_preloaded_server()
         entrypoint, entry_args = run_worker, ["", *worker_command(args)]
