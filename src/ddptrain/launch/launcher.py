@@ -33,7 +33,6 @@ import shlex
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser
 
+from ddptrain import streams
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.etcd_endpoints import (
@@ -605,7 +605,7 @@ def pet_conflicts(args: argparse.Namespace, inherited: dict[str, str]) -> list[s
 
 
 def _say(text: str) -> None:
-    print(f"ddptrain launch: {text}", file=sys.stderr, flush=True)
+    streams.say(f"ddptrain launch: {text}")  # never fails: the reader of stderr may be gone (`| tee`)
 
 
 def launch(args: argparse.Namespace) -> int:
