@@ -60,6 +60,7 @@ from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
 from ddptrain.safe_files import write_text_replace
+from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.rng import seed_everything
@@ -393,10 +394,17 @@ def train(
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
-    with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
-        timeline.mark("process_group_ready")
-        run = build_run(cfg, ctx, model, datasets, timeline=timeline)
-        try:
-            return run.fit()
-        finally:
-            run.close()
+    watch = AgentWatch.under_agent()  # a worker of torchrun's agent stops when the agent dies
+    try:
+        with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname):
+            timeline.mark("process_group_ready")
+            run = build_run(cfg, ctx, model, datasets, timeline=timeline)
+            if watch is not None and run.lease is not None:
+                watch.before_hard_exit(run.lease.release)
+            try:
+                return run.fit()
+            finally:
+                run.close()
+    finally:
+        if watch is not None:
+            watch.close()

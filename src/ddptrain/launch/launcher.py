@@ -65,6 +65,7 @@ from ddptrain.launch.torch_support import check_torch
 from ddptrain.launch.worker_start import WORKER_STARTS, run_worker, use_preloaded_server
 from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
+from ddptrain.train.agent_watch import AGENT_PID_ENV, GRACE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # Worker exit codes that a restart cannot fix: end the job with that code right away.
@@ -269,6 +270,8 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     # reads a dead peer's address from them and fails to connect. With etcd it is also what lets
     # the job outlive the first node: the shared store lives in that node's agent.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # A worker whose agent dies gets the time the agent would have given it to stop (train/agent_watch.py).
+    env[GRACE_ENV] = str(args.shutdown_timeout)
     if etcd:
         if not args.rdzv_endpoint:
             raise LaunchError(
@@ -647,6 +650,7 @@ def launch(args: argparse.Namespace) -> int:
             _say(f"rendezvous failed: {why}")
             return EXIT_FAILED
     os.environ.update(env)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # what the workers watch (train/agent_watch.py)
     try:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))
     except (ValueError, AssertionError, RuntimeError) as e:
