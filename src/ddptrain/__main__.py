@@ -1,11 +1,11 @@
 """`python -m ddptrain` is the `ddptrain` command (and what `ddptrain launch` runs on each worker)."""
 
 import os
-import sys
 import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddptrain import streams
 from ddptrain.cli import main
 
 
@@ -17,9 +17,8 @@ def _run() -> int:
     except Exception:
         # A failed rank may still hold connections to peers that are frozen or unreachable, and
         # the interpreter's teardown of those blocked for minutes here: report and leave now.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        streams.say(traceback.format_exc())
+        streams.flush_standard_streams()
         os._exit(1)
 
 

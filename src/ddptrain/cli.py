@@ -31,7 +31,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from ddptrain import run
+from ddptrain import run, streams
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
@@ -418,6 +418,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, run, and turn user errors into exit code 2 with one message."""
+    streams.ensure_standard_streams()
+    try:
+        return _main(argv)
+    finally:
+        # A reader that went away (`| tee` ended by the same Ctrl-C) must not turn the exit code into 120.
+        streams.flush_standard_streams()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
@@ -462,10 +471,5 @@ USER_ERRNOS = frozenset(
 def _error_line(command: str, text: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-    try:
-        # One write with its newline: print() writes the newline separately, and under PYTHONUNBUFFERED the
-        # lines of ranks sharing one pipe (torchrun's stderr) could then interleave mid-line.
-        sys.stderr.write(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}\n")
-        sys.stderr.flush()
-    except OSError:
-        pass  # stderr itself is gone: the exit code still tells
+    # stderr itself may be gone (a closed pipe): the exit code still tells.
+    streams.say(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}")

@@ -69,6 +69,7 @@ from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
 from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
+from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.rng import seed_everything
@@ -434,11 +435,21 @@ def train(
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
     model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
-    with distributed(cfg) as ctx, run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname, hold=True) as logs:
-        timeline.mark("process_group_ready")
-        run = build_run(cfg, ctx, model, datasets, timeline=timeline)
-        logs.accept()  # the run is accepted: its set-up lines reach the rank's log file
-        try:
-            return run.fit()
-        finally:
-            run.close()
+    watch = AgentWatch.under_agent()  # a worker of torchrun's agent stops when the agent dies
+    try:
+        with (
+            distributed(cfg) as ctx,
+            run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname, hold=True) as logs,
+        ):
+            timeline.mark("process_group_ready")
+            run = build_run(cfg, ctx, model, datasets, timeline=timeline)
+            logs.accept()  # the run is accepted: its set-up lines reach the rank's log file
+            if watch is not None and run.lease is not None:
+                watch.before_hard_exit(run.lease.release)
+            try:
+                return run.fit()
+            finally:
+                run.close()
+    finally:
+        if watch is not None:
+            watch.close()

@@ -186,7 +186,8 @@ def check_launch_dry_run(command: str, tmp: Path) -> None:
     argv.insert(argv.index("--"), "--dry-run")
     rc, out, err = _ddptrain(argv, tmp)
     assert rc == 0, err
-    assert " torchrun --nnodes 2" in out.splitlines()[0] and "--rdzv-endpoint" in out
+    nnodes = argv[argv.index("--nnodes") + 1] if "--nnodes" in argv else "1"
+    assert f" torchrun --nnodes {nnodes}" in out.splitlines()[0] and "--rdzv-endpoint" in out
 
 
 def check_error_line(command: str, tmp: Path) -> None:
@@ -277,6 +278,7 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^torchrun --standalone --nproc-per-node \d+ -m (ddptrain doctor|bench)", _SKIP_DIST),
     (r"^torchrun --nnodes 2 ", "needs two machines: tests/cluster/test_multinode_faults.py runs it on namespace hosts"),
     (r"^ddptrain launch --nnodes 2 ", check_launch_dry_run),
+    (r"^ddptrain launch --nproc-per-node 2 -- train run\.name=two-ranks$", check_launch_dry_run),
     (r"^ddptrain launch --nnodes 2:3 --rdzv-backend etcd-v2 ", check_launch_dry_run),
     (
         r"^ddptrain doctor --etcd 10\.0\.0\.11:2379,",

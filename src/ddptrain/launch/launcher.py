@@ -33,7 +33,6 @@ import shlex
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser
 
+from ddptrain import streams
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.etcd_endpoints import (
@@ -65,6 +65,7 @@ from ddptrain.launch.torch_support import check_torch
 from ddptrain.launch.worker_start import WORKER_STARTS, run_worker, use_preloaded_server
 from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 from ddptrain.observe.triage import TRIAGE_STORE_ENV
+from ddptrain.train.agent_watch import AGENT_PID_ENV, GRACE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # Worker exit codes that a restart cannot fix: end the job with that code right away.
@@ -291,6 +292,8 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     # reads a dead peer's address from them and fails to connect. With etcd it is also what lets
     # the job outlive the first node: the shared store lives in that node's agent.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # A worker whose agent dies gets the time the agent would have given it to stop (train/agent_watch.py).
+    env[GRACE_ENV] = str(args.shutdown_timeout)
     if etcd:
         if not args.rdzv_endpoint:
             raise LaunchError(
@@ -627,7 +630,7 @@ def pet_conflicts(args: argparse.Namespace, inherited: dict[str, str]) -> list[s
 
 
 def _say(text: str) -> None:
-    print(f"ddptrain launch: {text}", file=sys.stderr, flush=True)
+    streams.say(f"ddptrain launch: {text}")  # never fails: the reader of stderr may be gone (`| tee`)
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -672,6 +675,7 @@ def launch(args: argparse.Namespace) -> int:
             _say(f"rendezvous failed: {why}")
             return EXIT_FAILED
     os.environ.update(env)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # what the workers watch (train/agent_watch.py)
     try:
         config, entrypoint, entry_args = config_from_args(get_args_parser().parse_args(argv))
     except (ValueError, AssertionError, RuntimeError) as e:

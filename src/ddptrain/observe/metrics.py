@@ -18,6 +18,7 @@ from typing import IO, Any, TextIO
 
 from tqdm import tqdm
 
+from ddptrain import streams
 from ddptrain.errors import UserError
 from ddptrain.observe.runlog import FILE_ONLY
 from ddptrain.observe.trackers.base import Sink
@@ -97,14 +98,14 @@ class Progress:
     Other lines go through logging, whose console handler writes around the bar.
     """
 
-    def __init__(self, enabled: bool, total: int, initial: int, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, enabled: bool, total: int, initial: int, stream: TextIO | None = None) -> None:
         self.enabled = enabled
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stdout  # None when fd 1 was closed at start
         self.total = total
-        self.bar = None
+        self.bar: tqdm[Any] | None = None
         self._first: tuple[float, int] | None = None  # (time, step) of the first update, for the ETA
-        if enabled and stream.isatty():
-            self.bar = tqdm(total=total, initial=initial, file=stream, dynamic_ncols=True, unit="step")
+        if enabled and self.stream is not None and _isatty(self.stream):
+            self.bar = tqdm(total=total, initial=initial, file=self.stream, dynamic_ncols=True, unit="step")
 
     def eta_s(self, step: int) -> float | None:
         """Seconds left at the mean pace since the first update of this process (None before two updates)."""
@@ -121,20 +122,44 @@ class Progress:
         eta = self.eta_s(step)
         line = f"step {step:>6}/{self.total}  {summary}" + (f"  eta {_duration(eta)}" if eta is not None else "")
         log.info(line, extra=FILE_ONLY if self.bar is not None else None)
-        if self.bar is not None:
+        bar = self.bar
+        if bar is None:
+            return
+        try:
             if eta is None:
                 # The first shown step: restart the bar's clock here, so that its rate and ETA count
                 # only steps this process trained (not a resume's jump, nor start-up time).
-                self.bar.reset()
-                self.bar.initial = self.bar.n = self.bar.last_print_n = step
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(summary, refresh=True)
+                bar.reset()
+                bar.initial = bar.n = bar.last_print_n = step
+            bar.update(step - bar.n)
+            bar.set_postfix_str(summary, refresh=True)
+        except (OSError, ValueError):
+            self._drop_bar()
 
     def close(self) -> None:
         """Finish the bar."""
-        if self.bar is not None:
+        if self.bar is None:
+            return
+        try:
             self.bar.close()
-            self.bar = None
+        except (OSError, ValueError):
+            self._drop_bar()
+        self.bar = None
+
+    def _drop_bar(self) -> None:
+        # The terminal went away (a closed pipe, a hung-up terminal): training goes on without a bar,
+        # and every step still reaches the rank's log file.
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            bar.disable = True
+        streams.silence(self.stream)
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 def _duration(seconds: float) -> str:

@@ -9,8 +9,9 @@ While a run is set up (`run_logging`), two handlers hang on the "ddptrain" logge
   any uncaught exception with its traceback. Only rank 0 prints, so a warning on rank 7 would
   otherwise be lost in a launcher's interleaved output.
 
-A handler that cannot write (a full or read-only disk) says so in one line on stderr and stops
-writing, instead of printing a traceback for every record that follows.
+A handler that cannot write (a full or read-only disk, a console whose reader went away) says so
+in one line on stderr (if it can) and stops writing, instead of printing a traceback for every
+record that follows; training goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from ddptrain import streams
 from ddptrain.errors import Interrupted, Preempted, UserError
 from ddptrain.safe_files import ensure_dir, open_append_no_follow
 
@@ -49,11 +51,8 @@ class _OneComplaint:
         what = getattr(self, "baseFilename", None) or "the console"
         if not getattr(self, "_gave_up", False):
             self._gave_up = True
-            try:
-                reason = getattr(err, "strerror", None) or err
-                sys.stderr.write(f"warning: cannot write the log to {what} ({reason}); logging there stops\n")
-            except OSError:
-                pass
+            reason = getattr(err, "strerror", None) or err
+            streams.say(f"warning: cannot write the log to {what} ({reason}); logging there stops")
         self.setLevel(logging.CRITICAL + 1)  # type: ignore[attr-defined]
 
 
@@ -68,12 +67,16 @@ class ConsoleHandler(_OneComplaint, logging.Handler):
         return getattr(record, "console", True) and super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:
+        stream = self.stream or sys.stdout
         try:
             text = _PREFIX.get(record.levelno, "") + record.getMessage()
-            stream = self.stream or sys.stdout
             tqdm.write(text, file=stream)
             stream.flush()
-        except Exception:
+        except Exception as e:
+            if isinstance(e, (OSError, ValueError)):
+                # The reader went away (`| tee` ended by Ctrl-C) or the disk is full: training goes on, the
+                # rank's file keeps every line, and the interpreter's last flush must not fail on this stream.
+                streams.silence(stream)
             self.handleError(record)
 
 

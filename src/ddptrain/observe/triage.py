@@ -20,7 +20,6 @@ import faulthandler
 import logging
 import os
 import secrets
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddptrain import streams
 from ddptrain.dist import DistContext, broadcast_object
 from ddptrain.errors import EXIT_FAILURE, RankFailure
 from ddptrain.observe import forensics
@@ -126,7 +126,7 @@ class Triage:
             f"(`ddptrain triage` reads them)"
         )
         log.error("%s", text)
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        streams.say(f"error: {text}")  # a broken stderr must not keep the hang from failing the rank
         facts = {
             "step": hang.step,
             "phase": hang.phase,

@@ -11,11 +11,11 @@ quits at once (KeyboardInterrupt), without waiting for the step or the save.
 
 from __future__ import annotations
 
-import os
 import signal
 from types import FrameType
 from typing import Any
 
+from ddptrain import streams
 from ddptrain.errors import DdptrainError, Interrupted, Preempted
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -50,19 +50,19 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: the step in progress (and its collectives) must finish on every rank.
-        if signum == signal.SIGINT:
-            if self.level != NO_STOP:
-                raise KeyboardInterrupt  # a second Ctrl-C (or Ctrl-C during a stop): quit now
-            if self.announce:
-                # os.write, not print: a handler may run while print holds the stream's lock.
-                os.write(
-                    2,
-                    b"\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again to quit at once)\n",
-                )
+        if signum == signal.SIGINT and self.level != NO_STOP:
+            raise KeyboardInterrupt  # a second Ctrl-C (or Ctrl-C during a stop): quit now
         level = INTERRUPT if signum == signal.SIGINT else PREEMPT
+        first = self.level == NO_STOP
         if level > self.level:
             self.level = level
             self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT and first and self.announce:
+            # After the flag is set, and never failing: the same Ctrl-C may have ended the reader of
+            # stderr (`| tee`). os.write, not print: a handler may run while print holds the stream's lock.
+            streams.write_fd(
+                2, b"\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again to quit at once)\n"
+            )
 
     @property
     def requested(self) -> bool:
