@@ -348,15 +348,7 @@ def _resume(run: Run) -> None:
         f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
     )
     log.info(trainer.throughput.describe())
-    if cfg.train.warmup_steps >= cfg.train.max_steps > trainer.step:
-        log.warning(
-            "train.warmup_steps=%d covers the whole run (train.max_steps=%d): the learning rate never reaches "
-            "train.lr=%g; set train.warmup_steps below train.max_steps (e.g. train.warmup_steps=%d)",
-            cfg.train.warmup_steps,
-            cfg.train.max_steps,
-            cfg.train.lr,
-            max(1, cfg.train.max_steps // 10),
-        )
+    _warn_if_all_warm_up(cfg, trainer.step)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if run.timeline is not None:
         run.timeline.mark("checkpoint_loaded")
@@ -369,6 +361,21 @@ def _resume(run: Run) -> None:
         restart_count=restarts,
         host=ctx.hostname,
     )
+
+
+def _warn_if_all_warm_up(cfg: Config, step: int) -> None:
+    """A warm-up as long as the run (easy with the default 20 steps and a short fine-tune) is a warning,
+    not an error: the run trains, but its learning rate never reaches train.lr."""
+    t = cfg.train
+    if t.warmup_steps >= t.max_steps > step:
+        log.warning(
+            "train.warmup_steps=%d covers the whole run (train.max_steps=%d): the learning rate never reaches "
+            "train.lr=%g; set train.warmup_steps below train.max_steps (e.g. train.warmup_steps=%d)",
+            t.warmup_steps,
+            t.max_steps,
+            t.lr,
+            max(1, t.max_steps // 10),
+        )
 
 
 def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:

@@ -202,9 +202,8 @@ def _bash_word(arg: str) -> str:
     return f'"{arg}"' if re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", arg) else shlex.quote(arg)
 
 
-def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> str:
-    """The sbatch script text for this config and job."""
-    job.validate(cfg)
+def _directives(cfg: Config, job: SlurmJob, workdir: Path) -> list[str]:
+    """The #SBATCH options of the job, in the order they are written."""
     run_dir = (workdir / cfg.run_dir).resolve()
     name = job.job_name or f"ddptrain-{cfg.run.name}"
     directives = [
@@ -229,6 +228,13 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     if job.min_count() < job.nodes:
         directives.append("--no-kill")  # a failed node leaves the others running (the launchers go on without it)
     directives += job.extra_sbatch
+    return directives
+
+
+def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> str:
+    """The sbatch script text for this config and job."""
+    job.validate(cfg)
+    directives = _directives(cfg, job, workdir)
     etcd = etcd_endpoints("--etcd-endpoints", job.etcd_endpoints)
     argv = launch_argv(
         nnodes=f"{job.min_count()}:{job.nodes}" if job.min_count() < job.nodes else str(job.nodes),
@@ -256,7 +262,7 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         shared="\n".join(f"#   {what}: {path}" for what, path in paths.items()),
         rendezvous=rendezvous,
         run=cfg.run.name,
-        run_dir=shlex.quote(str(run_dir)),
+        run_dir=shlex.quote(str((workdir / cfg.run_dir).resolve())),
         max_requeues=job.max_requeues,
         nodes=job.nodes,
         node_cmd=shlex.quote(node_cmd),
