@@ -80,6 +80,12 @@ def test_abandoned_records_are_cut_and_time_is_accounted(run_dir: Path) -> None:
         ("save failed", 6, 12.5),
         ("preempted", 8, 15.0),
         ("resume", 8, 20.0),
+        ("completed", 10, 22.0),  # an older version's run: no completed record, but it reached max_steps
+    ]
+    assert [(e.kind, e.recorded) for e in story.endings] == [
+        ("crashed", False),
+        ("preempted", True),
+        ("completed", False),
     ]
     g = goodput(story)
     assert (g.wall_s, g.productive_s) == (22.0, 10.0)
@@ -103,13 +109,21 @@ def test_summary_lists_segments_goodput_and_events(run_dir: Path, capsys: pytest
         "restarts (down time) 8.5 s; checkpoint blocking 0.5 s; other (eval, logging, start-up) 1.0 s "
         "(2 steps re-done)"
     ) in out
-    assert "events: 8" in out
+    assert "events: 9" in out
+    assert "attempts: crashed, preempted, completed" in out
+    assert (
+        "  attempt 1 from step 0 at world size 2: crashed: ended without an end record (last record at step 6): "
+        "killed (SIGKILL, out of memory), power lost or node lost?"
+    ) in out
     assert (
         "step      5  recovery: 4.00 s from failure_seen to the first step: stop 0.50, rendezvous 1.50, "
         "import 1.00, first step 1.00"
     ) in out
-    assert "00:00:15 UTC (+15 s)  step      8  preempted: preempted by SIGTERM, checkpoint committed at step 8" in out
+    assert (
+        "00:00:15 UTC (+15 s)  step      8  preempted: attempt 2 preempted by SIGTERM at step 8, checkpoint committed "
+        "(exit 75)"
+    ) in out
     assert "step      4  world size: world size 2 -> 1" in out
-    assert "step      6  crashed: attempt 1 ended without a stop record (last record at step 6)" in out
+    assert "step      6  crashed: attempt 1 ended without an end record (last record at step 6)" in out
     for name in ("loss", "lr", "throughput", "step_time", "goodput"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 10_000
