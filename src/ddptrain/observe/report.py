@@ -332,6 +332,38 @@ def _clock(t: float, t0: float) -> str:
     return f"{time.strftime('%H:%M:%S', time.gmtime(t))} UTC (+{t - t0:,.0f} s)"
 
 
+def _status(records: list[dict[str, Any]], story: Story, last_step: int, max_steps: int | None) -> str:
+    """How the run stands: how its last attempt ended, or that it may still be running."""
+    ending = story.endings[-1]
+    if ending.kind == "completed":
+        return f"finished ({max_steps} steps)" if max_steps is not None else f"finished at step {last_step}"
+    if ending.recorded:
+        again = "; run the same command again to resume" if ending.kind in ("interrupted", "preempted") else ""
+        return ending.detail + again
+    age = time.time() - records[-1].get("time", time.time())
+    return f"incomplete: still running or crashed (last record {age:.0f}s ago, step {last_step} of {max_steps or '?'})"
+
+
+def _checkpoint_lines(run_dir: Path, events: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> list[str]:
+    """Checkpoints committed, failed and on disk; how often the straggler checks flagged a rank."""
+    lines = []
+    saved = [e for e in events if e.get("event") == "checkpoint"]
+    failed = [e for e in events if e.get("event") == "checkpoint_failed"]
+    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
+    lines.append(
+        f"checkpoints: {len(saved)} committed during the run"
+        + (f", {len(failed)} failed" if failed else "")
+        + f"; on disk now: {', '.join(present) or 'none'}"
+    )
+    if ranks:
+        flagged = [r for r in ranks if "straggler_rank" in r]
+        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
+        lines.append(
+            f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
+        )
+    return lines
+
+
 def _attempt_lines(story: Story) -> list[str]:
     """How each attempt ended, one line each (a crash without an end record says what may have killed it)."""
     lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
@@ -349,15 +381,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
     last = train[-1]
     max_steps = _max_steps(run_dir)
-    ending = story.endings[-1]
-    if ending.kind == "completed":
-        status = f"finished ({max_steps} steps)" if max_steps is not None else f"finished at step {last['step']}"
-    elif ending.recorded:
-        again = "; run the same command again to resume" if ending.kind in ("interrupted", "preempted") else ""
-        status = ending.detail + again
-    else:
-        age = time.time() - records[-1].get("time", time.time())
-        status = f"incomplete: still running or crashed (last record {age:.0f}s ago, step {last['step']} of {max_steps or '?'})"
+    status = _status(records, story, last["step"], max_steps)
     info = _run_info(run_dir, story)
     sizes = " -> ".join(map(str, info.world_sizes)) or "?"
     cut_off = "; the last line was cut off mid-write" if truncated else ""
@@ -411,20 +435,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     lines.append(f"events: {len(story.events) or 'none'}")
     for e in story.events:
         lines.append(f"  {_clock(e.time, t0)}  step {e.step:>6}  {e.kind}: {e.detail}")
-    saved = [e for e in events if e.get("event") == "checkpoint"]
-    failed = [e for e in events if e.get("event") == "checkpoint_failed"]
-    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
-    lines.append(
-        f"checkpoints: {len(saved)} committed during the run"
-        + (f", {len(failed)} failed" if failed else "")
-        + f"; on disk now: {', '.join(present) or 'none'}"
-    )
-    if ranks:
-        flagged = [r for r in ranks if "straggler_rank" in r]
-        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
-        lines.append(
-            f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
-        )
+    lines += _checkpoint_lines(run_dir, events, ranks)
     lines += summarize_diagnostic_events(diagnostic_events(records))
     return "\n".join(lines)
 
