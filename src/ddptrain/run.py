@@ -51,6 +51,7 @@ from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, r
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
 from ddptrain.errors import (
+    EXIT_INTERRUPTED,
     CheckpointSaveError,
     DataError,
     DdptrainError,
@@ -60,6 +61,7 @@ from ddptrain.errors import (
     UserError,
 )
 from ddptrain.models import build_model, fit_vocab_to_data
+from ddptrain.observe.endings import end_record
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
@@ -105,7 +107,7 @@ class Run:
     triage: Triage
     lease: RunLease | None = None  # rank 0's lease on run.dir
     timeline: RecoveryTimeline | None = None  # marks of this (re)start, written after the first step
-    status: str = "failed"  # until fit() says otherwise; ends the trackers' runs in close()
+    status: str = "failed"  # until fit() records how the attempt ended; ends the trackers' runs in close()
 
     def fit(self) -> RunResult:
         """Train to train.max_steps; SIGTERM/SIGUSR1 (status "preempted") and Ctrl-C ("interrupted") become
@@ -120,29 +122,38 @@ class Run:
             status = "preempted" if isinstance(e, Preempted) else "interrupted"
             self.progress.close()
             log.info("%s: checkpoint committed; run the same command again to resume (exit %d)", e, e.exit_code)
-            self.metrics.write(
-                "event", event=status, step=trainer.step, signal=e.signal_name, world_size=ctx.world_size
-            )
-            self.status = status
+            self._end(status, e.exit_code, signal=e.signal_name, world_size=ctx.world_size)
             return self._result(status)
         except (NonFiniteError, CheckpointSaveError) as e:
             self.progress.close()
             log.error("%s", e)
-            self.metrics.write("event", event="stopped", step=trainer.step, reason=str(e))
+            self._end("stopped", e.exit_code, reason=str(e))
             raise
-        except UserError:
+        except UserError as e:
+            self._end("stopped", e.exit_code, reason=str(e))
             raise  # stops every rank agreed on: nothing to triage
+        except KeyboardInterrupt:  # a second Ctrl-C: quit at once, without a checkpoint
+            self._end("interrupted", EXIT_INTERRUPTED, signal="SIGINT", checkpoint=False)
+            raise
         except Exception as e:
-            raise self.triage.failed(e, trainer.step + 1) from e
+            failure = self.triage.failed(e, trainer.step + 1)
+            self._end("crashed", failure.exit_code, error=str(failure)[:1000])
+            raise failure from e
         finally:
             self.triage.idle()
             stop.uninstall()
         self.progress.close()
         log.info("done: %d steps; checkpoints in %s", trainer.step, self.cfg.run_dir / "checkpoints")
-        self.status = "completed"
+        self._end("completed", 0)  # before the artifacts: the uploaded report tells the ending too
         if self.cfg.log.track_artifacts and ctx.is_main:
             self._upload_artifacts()
         return self._result("completed")
+
+    def _end(self, kind: str, exit_code: int, **detail: Any) -> None:
+        """Record how this attempt ends (observe/endings.py) in metrics.jsonl and the trackers; close() then
+        ends the trackers' runs with it. Written on every way out that runs Python: only a kill leaves none."""
+        self.status = kind
+        self.metrics.write("event", **end_record(kind, self.trainer.step, exit_code, **detail))
 
     def _upload_artifacts(self) -> None:
         """Rank 0: the report and/or the exported model of the finished run, queued for the trackers."""

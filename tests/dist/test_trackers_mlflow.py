@@ -7,6 +7,7 @@ in order; a server stopped mid-run costs training nothing and loses nothing sile
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -136,3 +137,60 @@ def test_server_down_mid_run_training_finishes_and_counts_what_it_lost(server: M
     assert len(steps) + dropped == 20, (steps, out)  # what is missing was counted in a warning
     assert dropped > 0, out  # 12 records logged while down, 6 fit in the queue
     assert client.get_run(run_id()).info.status == "FINISHED"
+
+
+def runs_of(client: object, experiment: str) -> list[object]:
+    exp = client.get_experiment_by_name(experiment)  # type: ignore[attr-defined]
+    return client.search_runs([exp.experiment_id]) if exp is not None else []  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(420)
+def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(server: MlflowServer,
+                                                                           tmp_path: Path) -> None:
+    """SIGKILL the moment the server holds the new run (before any metric), resume and Ctrl-C it, resume to
+    the end: one MLflow run throughout, KILLED after the Ctrl-C, FINISHED at the end, each ending tagged."""
+    run_dir, gates, log = tmp_path / "run", tmp_path / "gates", tmp_path / "attempts.log"
+    gates.mkdir()
+    model = {"dim": 8, "gates": [1, 5], "gate_dir": str(gates)}  # waits at the forwards of steps 1 and 5
+    args = ["train", f"run.dir={run_dir}", "model.target=tracker_toy:build_gated_model",
+            "model.kwargs=" + str(model).replace("'", ""), "data.target=toy:build_datasets",
+            "data.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=8", "train.eval_every=0",
+            "log.every_steps=1", "ckpt.every_steps=0", *tracked(server, "killed-as-it-opens")]
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], stdout=open(log, "ab"),
+                                stderr=subprocess.STDOUT, env=env_for_subprocess(),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    client = server.client()
+    proc = start()
+    try:
+        wait_for(lambda: runs_of(client, "killed-as-it-opens") or proc.poll() is not None, 120, "the MLflow run")
+        proc.send_signal(signal.SIGKILL)  # the run exists on the server; its id may not be stored yet
+        proc.wait(30)
+        assert "run_key" in (run_dir / "trackers.json").read_text()  # recorded before MLflow was called
+        (gates / "go-1").write_text("")
+        proc = start()
+        wait_for(lambda: (gates / "waiting-5").exists() or proc.poll() is not None, 120, "step 5")
+        proc.send_signal(signal.SIGINT)  # taken when step 5 ends: a checkpoint, then exit 130
+        (gates / "go-5").write_text("")
+        assert proc.wait(120) == 130, log.read_text()[-3000:]
+        run = only_run(client, "killed-as-it-opens")
+        assert run.info.status == "KILLED"  # type: ignore[attr-defined]
+        tags = run.data.tags  # type: ignore[attr-defined]
+        assert tags["ddptrain.ending.1"].startswith("crashed: no end record"), tags
+        assert tags["ddptrain.ending.2"] == "interrupted by SIGINT at step 5, checkpoint committed (exit 130)"
+        assert tags["ddptrain.status"] == "interrupted"
+        proc = start()
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run = only_run(client, "killed-as-it-opens")  # never a second run
+    run_id, tags = run.info.run_id, run.data.tags  # type: ignore[attr-defined]
+    state = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert state["run_id"] == run_id and tags["ddptrain.run_key"] == state["run_key"]
+    assert run.info.status == "FINISHED" and tags["ddptrain.status"] == "completed"  # type: ignore[attr-defined]
+    assert tags["ddptrain.attempts"] == "3" and tags["ddptrain.ending.3"] == "completed at step 8 (exit 0)"
+    assert steps_of(client, run_id, "train/loss") == list(range(1, 9))

@@ -76,7 +76,8 @@ def test_report_on_a_finished_run(finished_run: Path, capsys: pytest.CaptureFixt
     assert "best val loss:" in out and "world size 1, steps 1-6: " in out and "mean over 5 log windows" in out
     assert "MFU: n/a (device peak unknown); achieved" in out
     assert "checkpoints: 2 committed during the run; on disk now: step-00000006, step-00000003" in out
-    assert "1 attempt(s)" in out and "events: none" in out and "goodput: " in out
+    assert "1 attempt(s)" in out and "events: 1" in out and "goodput: " in out
+    assert "attempts: completed" in out and "completed: attempt 1 completed at step 6 (exit 0)" in out
     assert_valid_pngs(finished_run / "report")
     assert (finished_run / "report" / "summary.txt").read_text().strip() == out.split("\nwrote ")[0].strip()
 

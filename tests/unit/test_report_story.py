@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain.cli import main
-from ddptrain.observe.report import read_records
+from ddptrain.observe.report import EVENT_STYLE, event_marks, read_records
 from ddptrain.observe.story import goodput, tell
 
 
@@ -80,6 +80,12 @@ def test_abandoned_records_are_cut_and_time_is_accounted(run_dir: Path) -> None:
         ("save failed", 6, 12.5),
         ("preempted", 8, 15.0),
         ("resume", 8, 20.0),
+        ("completed", 10, 22.0),  # an older version's run: no completed record, but it reached max_steps
+    ]
+    assert [(e.kind, e.recorded) for e in story.endings] == [
+        ("crashed", False),
+        ("preempted", True),
+        ("completed", False),
     ]
     g = goodput(story)
     assert (g.wall_s, g.productive_s) == (22.0, 10.0)
@@ -103,13 +109,101 @@ def test_summary_lists_segments_goodput_and_events(run_dir: Path, capsys: pytest
         "restarts (down time) 8.5 s; checkpoint blocking 0.5 s; other (eval, logging, start-up) 1.0 s "
         "(2 steps re-done)"
     ) in out
-    assert "events: 8" in out
+    assert "events: 9" in out
+    assert "attempts: crashed, preempted, completed" in out
+    assert (
+        "  attempt 1 from step 0 at world size 2: crashed: ended without an end record (last record at step 6): "
+        "killed (SIGKILL, out of memory), power lost or node lost?"
+    ) in out
     assert (
         "step      5  recovery: 4.00 s from failure_seen to the first step: stop 0.50, rendezvous 1.50, "
         "import 1.00, first step 1.00"
     ) in out
-    assert "00:00:15 UTC (+15 s)  step      8  preempted: preempted by SIGTERM, checkpoint committed at step 8" in out
+    assert (
+        "00:00:15 UTC (+15 s)  step      8  preempted: attempt 2 preempted by SIGTERM at step 8, checkpoint committed "
+        "(exit 75)"
+    ) in out
     assert "step      4  world size: world size 2 -> 1" in out
-    assert "step      6  crashed: attempt 1 ended without a stop record (last record at step 6)" in out
+    assert "step      6  crashed: attempt 1 ended without an end record (last record at step 6)" in out
     for name in ("loss", "lr", "throughput", "step_time", "goodput"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 10_000
+
+
+def _attempt(start_step: int, t: float, *end: dict[str, object]) -> list[dict[str, object]]:
+    """One attempt of a run with max_steps 10: a start, a train record two steps on, then its end records."""
+    start = "start" if start_step == 0 else "resume"
+    return [
+        {"kind": "event", "time": t, "event": start, "step": start_step, "world_size": 1},
+        _train(start_step + 2, t + 1.0, 1),
+        *end,
+    ]
+
+
+def _end(kind: str, step: int, t: float, **fields: object) -> dict[str, object]:
+    return {"kind": "event", "time": t, "event": kind, "step": step, **fields}
+
+
+ENDED_EVERY_WAY = [
+    *_attempt(0, 0.0, _end("interrupted", 2, 2.0, signal="SIGINT", exit_code=130, world_size=1)),
+    *_attempt(2, 10.0, _end("preempted", 4, 12.0, signal="SIGTERM", exit_code=75, world_size=1)),
+    *_attempt(4, 20.0),  # killed: no end record
+    *_attempt(6, 30.0, _end("stopped", 8, 32.0, exit_code=1, reason="non-finite gradient norm (nan) at step 8")),
+    *_attempt(8, 40.0, _end("completed", 10, 42.0, exit_code=0)),
+]
+
+
+def test_each_ending_is_classified_from_its_record_and_a_kill_from_its_absence() -> None:
+    story = tell(ENDED_EVERY_WAY, finished=True)
+    assert [(e.kind, e.step, e.exit_code, e.recorded) for e in story.endings] == [
+        ("interrupted", 2, 130, True),
+        ("preempted", 4, 75, True),
+        ("crashed", 6, None, False),
+        ("stopped", 8, 1, True),
+        ("completed", 10, 0, True),
+    ]
+    details = [e.detail for e in story.endings]
+    assert details[0] == "interrupted by SIGINT at step 2, checkpoint committed (exit 130)"
+    assert details[2].startswith("ended without an end record (last record at step 6): killed")
+    assert details[3] == "stopped at step 8: non-finite gradient norm (nan) at step 8 (exit 1)"
+
+
+def test_a_second_ctrl_c_and_an_error_are_told_apart_from_a_kill() -> None:
+    quit_at_once = _end("interrupted", 3, 3.0, signal="SIGINT", exit_code=130, checkpoint=False)
+    error = _end("crashed", 5, 13.0, exit_code=1, error="rank 0 on h failed in step 5: RuntimeError: boom")
+    story = tell([*_attempt(0, 0.0, quit_at_once), *_attempt(2, 10.0, error)], finished=False)
+    assert [e.detail for e in story.endings] == [
+        "interrupted by SIGINT at step 3, quit at once, no checkpoint (exit 130)",
+        "crashed at step 5: rank 0 on h failed in step 5: RuntimeError: boom (exit 1)",
+    ]
+
+
+def test_records_of_older_versions_are_read_with_their_kind_s_exit_code() -> None:
+    # Before end records, an interruption had no exit code and a finished attempt no record at all.
+    story = tell([*_attempt(0, 0.0, _end("interrupted", 2, 2.0, signal="SIGINT")), *_attempt(2, 10.0)], finished=True)
+    assert [(e.kind, e.exit_code, e.recorded) for e in story.endings] == [
+        ("interrupted", 130, True),
+        ("completed", 0, False),
+    ]
+    last = tell(_attempt(0, 0.0), finished=False).endings[-1]  # no later attempt: maybe still running
+    assert last.kind == "crashed" and last.detail.endswith("; or still running")
+
+
+def test_summary_says_interrupted_and_each_kind_has_its_own_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = ENDED_EVERY_WAY[:-3]  # without the completing attempt: the run ends stopped
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "config.yaml").write_text("run:\n  name: endings\ntrain:\n  max_steps: 10\n")
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "status: stopped at step 8: non-finite gradient norm (nan) at step 8 (exit 1)" in out
+    assert "attempts: interrupted, preempted, crashed, stopped" in out
+    assert "  attempt 1 from step 0 at world size 1: interrupted by SIGINT at step 2, checkpoint committed" in out
+    assert "ended without a stop record" not in out
+    records, _ = read_records(tmp_path / "metrics.jsonl")
+    marks = {m.kind: m for m in event_marks(tell(records, finished=False))}
+    endings = ["interrupted", "preempted", "crashed", "stopped"]
+    assert set(endings) <= set(marks)
+    assert len({(marks[k].colour, marks[k].marker) for k in endings}) == len(endings)  # all different
+    assert len({EVENT_STYLE[k][:1] + EVENT_STYLE[k][2:] for k in EVENT_STYLE}) == len(EVENT_STYLE)
+    assert (tmp_path / "report" / "loss.png").stat().st_size > 10_000

@@ -75,7 +75,9 @@ def attempt(
     state = TrackerState(run_dir)
     previous = state.begin_attempt(world_size)
     messages: list[str] = []
-    start = StartInfo("test", {"train.lr": 0.1}, {"sys.world_size": str(world_size)}, state.attempt)
+    start = StartInfo(
+        "test", {"train.lr": 0.1}, {"sys.world_size": str(world_size)}, state.attempt, state.crashed_attempt
+    )
     return BackgroundTracker(
         MemoryTracker(server), state, start, previous, messages.append, capacity, flush_s, backlog
     ), messages
@@ -183,6 +185,36 @@ def test_resume_tags_name_the_attempt_and_the_world_size_change(tmp_path: Path) 
     assert tags["ddptrain.attempt.2"] == "resume at step 3, world size 1, restart count 0, host h"
     assert tags["ddptrain.world_size_change.2"] == "2 -> 1 at step 3"
     assert json.loads((tmp_path / "trackers.json").read_text())["attempts"] == 2
+
+
+def test_each_attempt_s_ending_is_tagged_and_a_kill_is_named_at_the_next_start(tmp_path: Path) -> None:
+    server = Server()
+    first, _ = attempt(server, tmp_path)
+    log(tmp_path, first, event("start", 0, world_size=1))
+    log(tmp_path, first, train(1))
+    log(tmp_path, first, event("interrupted", 1, signal="SIGINT", exit_code=130, world_size=1))
+    first.close("interrupted")
+    assert server.status["run0"] == "interrupted"
+    second, _ = attempt(server, tmp_path)
+    log(tmp_path, second, event("resume", 1, world_size=1))
+    log(tmp_path, second, train(2))
+    # SIGKILL: nothing more reaches the server and close() never runs; only the delivery thread is let go.
+    second.tracker.killed = True  # type: ignore[attr-defined]
+    second._deadline = 0.0
+    second._closing.set()
+    second._thread.join(10)
+    third, _ = attempt(server, tmp_path)
+    log(tmp_path, third, event("resume", 1, world_size=1))
+    log(tmp_path, third, train(2))
+    log(tmp_path, third, event("completed", 2, exit_code=0))
+    third.close("completed")
+    tags = server.tags["run0"]
+    assert tags["ddptrain.ending.1"] == "interrupted by SIGINT at step 1, checkpoint committed (exit 130)"
+    assert tags["ddptrain.ending.2"].startswith("crashed: no end record (killed (SIGKILL, out of memory)")
+    assert tags["ddptrain.ending.3"] == "completed at step 2 (exit 0)"
+    assert tags["ddptrain.status"] == "completed" and server.status["run0"] == "completed"
+    assert not [key for key, _, _ in server.history["run0"] if key.startswith(("event/interrupted", "event/completed"))]
+    assert "open_attempt" not in json.loads((tmp_path / "trackers.json").read_text())
 
 
 def test_a_missing_tracker_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

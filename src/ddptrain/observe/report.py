@@ -3,9 +3,10 @@
 Works while the run is going and after it crashed: a last line cut off mid-write is skipped.
 Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt. A run that was
 restarted is told as one story (observe/story.py): records of abandoned attempts are dropped,
-restarts, resumes, world-size changes, preemptions, crashes, skipped steps and failed saves are
-marked on every plot and listed with their times, throughput is given per world-size segment, and
-the goodput figure shows where the wall time went.
+restarts, resumes, world-size changes, skipped steps, failed saves and how each attempt ended
+(completed, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
+plot, each kind in a colour and marker of its own with a legend, and listed with their times;
+throughput is given per world-size segment, and the goodput figure shows where the wall time went.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ddptrain.observe.diagnostic_events import (  # noqa: E402
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
-from ddptrain.observe.story import Event, Goodput, Story, goodput, tell  # noqa: E402
+from ddptrain.observe.story import Goodput, Story, goodput, tell  # noqa: E402
 
 _PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
 
@@ -101,16 +102,50 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-# How each kind of event is drawn on every plot: colour, line style, marker at the top.
-_EVENT_STYLE = {
+# How each kind of event is drawn on every plot: colour, line style, marker. Each way an attempt
+# ends (observe/endings.py) has a colour and a marker of its own.
+EVENT_STYLE = {
+    "completed": ("darkgreen", "-", "*"),
+    "interrupted": ("tab:cyan", "-.", "P"),
+    "preempted": ("tab:orange", "-.", "s"),
+    "stopped": ("tab:pink", ":", "h"),
+    "crashed": ("tab:red", "-", "X"),
     "resume": ("tab:green", "--", "v"),
     "world size": ("tab:purple", "-", "D"),
-    "preempted": ("tab:orange", "-.", "s"),
-    "crashed": ("tab:red", "-", "X"),
-    "stopped": ("tab:red", ":", "X"),
     "skipped steps": ("tab:brown", ":", "o"),
     "save failed": ("black", "--", "x"),
 }
+_OTHER_STYLE = ("grey", ":", ".")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One event as the plots draw it: at its step, `height` (axes fraction) under the top, in its kind's style."""
+
+    step: int
+    kind: str
+    label: str
+    colour: str
+    style: str
+    marker: str
+    height: float
+
+
+def event_marks(story: Story) -> list[Mark]:
+    """The marks every plot draws: one per event kind and step, stacked downwards when several share a step."""
+    marks: list[Mark] = []
+    seen: dict[int, list[str]] = {}
+    for e in story.events:
+        if e.kind == "recovery":
+            continue  # a timing, told in summary.txt; its restart is already marked as "resume"
+        kinds = seen.setdefault(e.step, [])
+        if e.kind in kinds:
+            continue
+        kinds.append(e.kind)
+        colour, style, marker = EVENT_STYLE.get(e.kind, _OTHER_STYLE)
+        label = e.detail if e.kind == "world size" else e.kind
+        marks.append(Mark(e.step, e.kind, label, colour, style, marker, 1.0 - 0.07 * (len(kinds) - 1)))
+    return marks
 
 
 @dataclass(frozen=True)
@@ -151,45 +186,47 @@ def _figure(what: str, info: RunInfo, story: Story, ylabel: str) -> tuple[Any, A
     return fig, ax
 
 
-def _mark_events(ax: Any, story: Story) -> None:
-    """Every event as a vertical line with a marker at the top and its name beside it; events at
-    the same step share one line (the first one's style) and one label."""
-    by_step: dict[int, list[Event]] = {}
-    for e in story.events:
-        if e.kind == "recovery":
-            continue  # a timing, told in summary.txt; its restart is already marked as "resume"
-        by_step.setdefault(e.step, []).append(e)
-    for step, events in sorted(by_step.items()):
-        colour, style, marker = _EVENT_STYLE.get(events[0].kind, ("grey", ":", "."))
-        ax.axvline(step, color=colour, linestyle=style, linewidth=1.2, alpha=0.8)
-        ax.plot(
-            [step],
-            [1.0],
-            marker=marker,
-            color=colour,
-            markersize=8,
+def _mark_events(ax: Any, story: Story) -> list[Any]:
+    """Draw every mark (a vertical line per step in its first event's style, a marker and a name per
+    event); returns one legend handle per event kind drawn."""
+    handles: dict[str, Any] = {}
+    lined: set[int] = set()
+    for m in event_marks(story):
+        if m.step not in lined:
+            lined.add(m.step)
+            ax.axvline(m.step, color=m.colour, linestyle=m.style, linewidth=1.2, alpha=0.8)
+        (handle,) = ax.plot(
+            [m.step],
+            [m.height],
+            marker=m.marker,
+            color=m.colour,
+            markersize=9,
             transform=ax.get_xaxis_transform(),
             clip_on=False,
             linestyle="none",
         )
-        names = list(dict.fromkeys(e.kind if e.kind != "world size" else e.detail for e in events))
-        ax.text(
-            step,
-            0.97,
-            " " + "\n ".join(names),
-            transform=ax.get_xaxis_transform(),
-            color=colour,
+        ax.annotate(
+            m.label,
+            (m.step, m.height),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(7, 0),
+            textcoords="offset points",
+            color=m.colour,
             fontsize=8,
-            va="top",
+            va="center",
             ha="left",
         )
+        handles.setdefault(m.kind, handle)
+    for kind, handle in handles.items():
+        handle.set_label(kind)
+    return list(handles.values())
 
 
 def _save(fig: Any, ax: Any, story: Story, path: Path) -> Path:
-    _mark_events(ax, story)
-    handles, labels = ax.get_legend_handles_labels()
+    marks = _mark_events(ax, story)
+    handles = [h for h in ax.get_legend_handles_labels()[0] if h not in marks] + marks
     if handles:
-        ax.legend(fontsize="small", loc="best")
+        ax.legend(handles=handles, fontsize="small", loc="best")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -295,20 +332,56 @@ def _clock(t: float, t0: float) -> str:
     return f"{time.strftime('%H:%M:%S', time.gmtime(t))} UTC (+{t - t0:,.0f} s)"
 
 
+def _status(records: list[dict[str, Any]], story: Story, last_step: int, max_steps: int | None) -> str:
+    """How the run stands: how its last attempt ended, or that it may still be running."""
+    ending = story.endings[-1]
+    if ending.kind == "completed":
+        return f"finished ({max_steps} steps)" if max_steps is not None else f"finished at step {last_step}"
+    if ending.recorded:
+        again = "; run the same command again to resume" if ending.kind in ("interrupted", "preempted") else ""
+        return ending.detail + again
+    age = time.time() - records[-1].get("time", time.time())
+    return f"incomplete: still running or crashed (last record {age:.0f}s ago, step {last_step} of {max_steps or '?'})"
+
+
+def _checkpoint_lines(run_dir: Path, events: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> list[str]:
+    """Checkpoints committed, failed and on disk; how often the straggler checks flagged a rank."""
+    lines = []
+    saved = [e for e in events if e.get("event") == "checkpoint"]
+    failed = [e for e in events if e.get("event") == "checkpoint_failed"]
+    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
+    lines.append(
+        f"checkpoints: {len(saved)} committed during the run"
+        + (f", {len(failed)} failed" if failed else "")
+        + f"; on disk now: {', '.join(present) or 'none'}"
+    )
+    if ranks:
+        flagged = [r for r in ranks if "straggler_rank" in r]
+        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
+        lines.append(
+            f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
+        )
+    return lines
+
+
+def _attempt_lines(story: Story) -> list[str]:
+    """How each attempt ended, one line each (a crash without an end record says what may have killed it)."""
+    lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
+    for i, (attempt, ending) in enumerate(zip(story.attempts, story.endings), 1):
+        what = ending.detail if ending.detail.startswith(ending.kind) else f"{ending.kind}: {ending.detail}"
+        lines.append(
+            f"  attempt {i} from step {attempt.start.get('step', 0)} at world size {attempt.world_size}: {what}"
+        )
+    return lines
+
+
 def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story) -> str:
     """The text summary: status, steps, losses, throughput per segment, goodput, events with times, checkpoints."""
     kept = story.kept
     train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
     last = train[-1]
     max_steps = _max_steps(run_dir)
-    stopped = [e for e in events if e.get("event") == "stopped"]
-    if max_steps is not None and last["step"] >= max_steps:
-        status = f"finished ({max_steps} steps)"
-    elif stopped:
-        status = f"stopped at step {stopped[-1]['step']}: {stopped[-1].get('reason', '?')}"
-    else:
-        age = time.time() - records[-1].get("time", time.time())
-        status = f"incomplete: still running or crashed (last record {age:.0f}s ago, step {last['step']} of {max_steps or '?'})"
+    status = _status(records, story, last["step"], max_steps)
     info = _run_info(run_dir, story)
     sizes = " -> ".join(map(str, info.world_sizes)) or "?"
     cut_off = "; the last line was cut off mid-write" if truncated else ""
@@ -319,6 +392,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
         f"{len(story.attempts)} attempt(s))",
         f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
     ]
+    lines += _attempt_lines(story)
     val = [e for e in evals if isinstance(e.get("val_loss"), (int, float))]
     if val:
         best = min(val, key=lambda e: e["val_loss"])
@@ -361,20 +435,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     lines.append(f"events: {len(story.events) or 'none'}")
     for e in story.events:
         lines.append(f"  {_clock(e.time, t0)}  step {e.step:>6}  {e.kind}: {e.detail}")
-    saved = [e for e in events if e.get("event") == "checkpoint"]
-    failed = [e for e in events if e.get("event") == "checkpoint_failed"]
-    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
-    lines.append(
-        f"checkpoints: {len(saved)} committed during the run"
-        + (f", {len(failed)} failed" if failed else "")
-        + f"; on disk now: {', '.join(present) or 'none'}"
-    )
-    if ranks:
-        flagged = [r for r in ranks if "straggler_rank" in r]
-        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
-        lines.append(
-            f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
-        )
+    lines += _checkpoint_lines(run_dir, events, ranks)
     lines += summarize_diagnostic_events(diagnostic_events(records))
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@
 A run that crashed or was preempted is started again and resumes from a checkpoint; everything the
 earlier attempt logged after that checkpoint's step was re-done and is dropped (the resumed step is
 the cut). What remains is one record per step, plus the events that explain the gaps: restarts,
-resumes, world-size changes, preemptions, crashes, skipped steps and failed checkpoint saves.
+resumes, world-size changes, skipped steps and failed checkpoint saves, and how each attempt
+ended (observe/endings.py: completed, interrupted, preempted, stopped or crashed).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddptrain.observe.endings import Ending, ending_of
 from ddptrain.observe.recovery import describe_recovery
 
 _STARTS = ("start", "resume")
@@ -20,7 +22,7 @@ _STARTS = ("start", "resume")
 class Event:
     """Something that happened to the run, at a step and a wall-clock time."""
 
-    kind: str  # resume, recovery, world size, preempted, crashed, stopped, skipped steps, save failed
+    kind: str  # an ending (endings.ENDINGS), resume, recovery, world size, skipped steps, save failed
     step: int
     time: float
     detail: str
@@ -41,10 +43,9 @@ class Attempt:
         train = [r for r in self.records if r["kind"] == "train"]
         return int(train[0]["world_size"]) if train and "world_size" in train[0] else None
 
-    def ended(self) -> str:
-        """How it ended: preempted, stopped, finished (the last attempt ran to the end) or crashed."""
-        events = [r.get("event") for r in self.records if r["kind"] == "event"]
-        return "preempted" if "preempted" in events else "stopped" if "stopped" in events else "crashed"
+    def ending(self, finished: bool, last: bool) -> Ending:
+        """How it ended (endings.ending_of): finished, the run reached max_steps; last, no later attempt."""
+        return ending_of(self.start, self.records, finished, last)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Story:
     kept: list[dict[str, Any]]
     attempts: list[Attempt]
     events: list[Event]
+    endings: list[Ending]  # one per attempt, in order
     productive_s: float  # step time of the kept train records
     redone_s: float  # step time of records dropped because a later attempt re-did those steps
     redone_steps: int
@@ -97,6 +99,7 @@ def tell(records: list[dict[str, Any]], finished: bool) -> Story:
     attempts = split_attempts(records)
     kept: list[dict[str, Any]] = []
     events: list[Event] = []
+    endings: list[Ending] = []
     productive_s, redone_s, redone_steps = 0.0, 0.0, 0
     for i, attempt in enumerate(attempts):
         cut = attempts[i + 1].start.get("step") if i + 1 < len(attempts) else None
@@ -124,46 +127,30 @@ def tell(records: list[dict[str, Any]], finished: bool) -> Story:
                 events.append(
                     Event("world size", first, _when(attempt.start), f"world size {before} -> {attempt.world_size}")
                 )
-        for r in attempt.records:
-            if r["kind"] == "event" and r.get("event") == "preempted":
-                events.append(
-                    Event(
-                        "preempted",
-                        r["step"],
-                        _when(r),
-                        f"preempted by {r.get('signal', '?')}, checkpoint committed at step {r['step']}",
-                    )
-                )
-            elif r["kind"] == "event" and r.get("event") == "stopped":
-                events.append(Event("stopped", r["step"], _when(r), str(r.get("reason", ""))))
-            elif r["kind"] == "event" and r.get("event") == "recovery":
-                events.append(Event("recovery", r["step"], _when(r), describe_recovery(r)))
-            elif r["kind"] == "event" and r.get("event") == "checkpoint_failed":
-                events.append(Event("save failed", r["step"], _when(r), str(r.get("error", ""))))
-            elif r["kind"] == "train" and r.get("skipped_steps") and (cut is None or r["step"] <= cut):
-                events.append(
-                    Event(
-                        "skipped steps",
-                        r["step"],
-                        _when(r),
-                        f"{r['skipped_steps']} step(s) skipped (non-finite gradient)",
-                    )
-                )
-        last_attempt = i == len(attempts) - 1
-        if attempt.ended() == "crashed" and not (last_attempt and finished):
-            last = attempt.records[-1] if attempt.records else attempt.start
-            how = f"last record at step {last.get('step', '?')}" if attempt.records else "no records after its start"
-            events.append(
+        events += _events_of(attempt, cut)
+        ending = attempt.ending(finished, last=i == len(attempts) - 1)
+        endings.append(ending)
+        events.append(Event(ending.kind, ending.step, ending.time, f"attempt {i + 1} {ending.detail}"))
+    events.sort(key=lambda e: (e.time, e.step))
+    return Story(kept, attempts, events, endings, productive_s, redone_s, redone_steps)
+
+
+def _events_of(attempt: Attempt, cut: int | None) -> list[Event]:
+    """The events an attempt's records tell, its ending aside."""
+    out = []
+    for r in attempt.records:
+        event = r.get("event") if r["kind"] == "event" else None
+        if event == "recovery":
+            out.append(Event("recovery", r["step"], _when(r), describe_recovery(r)))
+        elif event == "checkpoint_failed":
+            out.append(Event("save failed", r["step"], _when(r), str(r.get("error", ""))))
+        elif r["kind"] == "train" and r.get("skipped_steps") and (cut is None or r["step"] <= cut):
+            out.append(
                 Event(
-                    "crashed",
-                    int(last.get("step", first)),
-                    _when(last),
-                    f"attempt {i + 1} ended without a stop record ({how})"
-                    + ("; still running?" if last_attempt else ""),
+                    "skipped steps", r["step"], _when(r), f"{r['skipped_steps']} step(s) skipped (non-finite gradient)"
                 )
             )
-    events.sort(key=lambda e: (e.time, e.step))
-    return Story(kept, attempts, events, productive_s, redone_s, redone_steps)
+    return out
 
 
 @dataclass(frozen=True)

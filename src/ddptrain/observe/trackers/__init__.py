@@ -4,7 +4,7 @@
 rank 0 only. TensorBoard writes local files in the training thread (its writer has its own thread);
 MLflow and W&B run behind a BackgroundTracker each (background.py): a bounded queue and a thread,
 so that a slow or unreachable tracker never blocks or fails training. run.dir/trackers.json
-(state.py) keeps one tracker run per run folder across restarts.
+(state.py) keeps one tracker run per run folder across restarts, recorded before anything is sent.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
         params=flatten(cfg.model_dump(mode="json", by_alias=True)),
         system=system_info(ctx),
         attempt=state.attempt,
+        crashed_attempt=state.crashed_attempt,
     )
     # What earlier attempts wrote before this one appends: a killed attempt may not have sent all of it.
     jsonl = cfg.run_dir / "metrics.jsonl"
@@ -97,7 +98,14 @@ def _tracker(name: str, cfg: Config, state: TrackerState) -> Tracker:
     if name == "mlflow":
         from ddptrain.observe.trackers.mlflow_tracker import MLflowTracker
 
-        return MLflowTracker(log.mlflow_tracking_uri, log.mlflow_experiment)
+        key, known = state.run_key("mlflow")  # stored before MLflow is called: see state.py
+        return MLflowTracker(
+            log.mlflow_tracking_uri,
+            log.mlflow_experiment,
+            key,
+            known,
+            lambda run_id: state.set_run_id("mlflow", run_id),
+        )
     from ddptrain.observe.trackers.wandb_tracker import WandbTracker
 
     return WandbTracker(

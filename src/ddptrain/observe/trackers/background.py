@@ -136,6 +136,7 @@ class BackgroundTracker:
         """Deliver what is queued, mark the run `status`; wait at most flush_s, then report what is left."""
         timeout_s = self.flush_s
         self._status = status
+        self.state.end_attempt()  # this attempt ended in Python: the next start will not call it a crash
         self._deadline = time.monotonic() + timeout_s
         self._closing.set()
         self._wake.set()
@@ -186,6 +187,8 @@ class BackgroundTracker:
         opened = self.tracker.open(self.state.run_id(self.name), self.start)
         if opened.run_id != self.state.run_id(self.name):
             self.state.set_run_id(self.name, opened.run_id)
+        for note in opened.notes:
+            self.say(f"warning: {self.name}: {note}")
         local = self.state.delivered(self.name)
         # The tracker's own marks win over the file's when newer: a kill can land between the two writes.
         self._delivered = {k: max(local.get(k, -1), opened.delivered.get(k, -1)) for k in {*local, *opened.delivered}}
@@ -212,7 +215,7 @@ class BackgroundTracker:
                 for old in self._backlog.records(up_to_step=int(record.get("step", 0))):
                     self._add(update, old, record_series(old) or "")
                 self._backlog = None
-            tags, labels = lifecycle_tags(record, self.start.attempt, self.previous_world_size)
+            tags, labels = lifecycle_tags(record, self.start, self.previous_world_size)
             update.tags.update(tags)
             update.labels.extend(labels)
         return update

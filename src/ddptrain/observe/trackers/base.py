@@ -4,7 +4,8 @@ A tracker receives, from one background thread (never the training thread):
     open(run_id, start)   create the run, or continue the one stored in run.dir/trackers.json
     send(update)          metric points (key, value, step, time), tags and labels
     upload(folder, kind)  a folder of files at the end of the run (the report's PNGs, the exported model)
-    finish(status)        completed / preempted / failed
+    finish(status)        how the attempt ended: completed, interrupted, preempted, stopped, crashed
+                          (observe/endings.py), or failed (it never started training)
 Anything may raise: the delivery thread (background.py) retries and never lets it reach training.
 """
 
@@ -14,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from ddptrain.observe.endings import ENDINGS, NO_RECORD, describe
+
 # Events that describe the run's life rather than a measurement: they become tags, not metrics
 # (a resume's step lies behind steps the tracker already holds, and metric steps never go back).
-LIFECYCLE_EVENTS = ("start", "resume", "preempted", "stopped")
+LIFECYCLE_EVENTS = ("start", "resume", *ENDINGS)
 
 
 class Point(NamedTuple):
@@ -36,6 +39,7 @@ class StartInfo:
     params: dict[str, Any]  # the flattened resolved config, "train.lr" -> 0.003
     system: dict[str, str]  # world size, devices, versions, git commit (sent as tags)
     attempt: int  # 1 on the first start of the run folder
+    crashed_attempt: int | None = None  # the previous attempt, when it ended without closing its trackers
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Opened:
 
     run_id: str
     delivered: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # warnings for the user (e.g. runs an older version left open)
 
 
 class Tracker(Protocol):
@@ -74,7 +79,7 @@ class Tracker(Protocol):
         """Attach a folder's files to the run; kind is "report" or "model"."""
 
     def finish(self, status: str) -> None:
-        """Mark the run completed, preempted or failed and release the tracker's resources."""
+        """Mark the run with how the attempt ended (see the module docstring) and release the tracker's resources."""
 
 
 class Sink(Protocol):
@@ -89,7 +94,7 @@ class Sink(Protocol):
         """Attach a folder of files (the report, the exported model) to the run."""
 
     def close(self, status: str) -> None:
-        """Flush (bounded in time) and release; status is completed, preempted or failed."""
+        """Flush (bounded in time) and release; status is how the attempt ended (see the module docstring)."""
 
 
 def record_series(record: dict[str, Any]) -> str | None:
@@ -116,10 +121,10 @@ def record_points(record: dict[str, Any], series: str) -> list[Point]:
 
 
 def lifecycle_tags(
-    record: dict[str, Any], attempt: int, previous_world_size: int | None
+    record: dict[str, Any], start: StartInfo, previous_world_size: int | None
 ) -> tuple[dict[str, str], list[str]]:
-    """Tags and labels for a start, resume, preemption or stop (keys carry the attempt number)."""
-    event, step = record.get("event"), record.get("step")
+    """Tags and labels for a start, resume or an attempt's end (keys carry the attempt number)."""
+    event, step, attempt = record.get("event"), record.get("step"), start.attempt
     if event in ("start", "resume"):
         ws = record.get("world_size")
         tags = {
@@ -135,19 +140,18 @@ def lifecycle_tags(
         if previous_world_size is not None and ws != previous_world_size:
             tags[f"ddptrain.world_size_change.{attempt}"] = f"{previous_world_size} -> {ws} at step {step}"
             labels.append("world-size-changed")
+        if start.crashed_attempt is not None:
+            tags[f"ddptrain.ending.{start.crashed_attempt}"] = f"crashed: no end record ({NO_RECORD})"
+            labels.append("crashed")
         return tags, labels
-    if event == "preempted":
-        return (
-            {
-                "ddptrain.status": "preempted",
-                f"ddptrain.preempted.{attempt}": f"step {step} ({record.get('signal') or 'signal on another rank'})",
-            },
-            ["preempted"],
-        )
-    if event == "stopped":
-        reason = f"step {step}: {record.get('reason', '')}"[:500]
-        return {"ddptrain.status": "stopped", f"ddptrain.stopped.{attempt}": reason}, []
-    return {}, []
+    if event not in ENDINGS:
+        return {}, []
+    tags = {"ddptrain.status": str(event), f"ddptrain.ending.{attempt}": describe(record)[:500]}
+    if event == "preempted":  # the tags of earlier versions, kept for dashboards that read them
+        tags[f"ddptrain.preempted.{attempt}"] = f"step {step} ({record.get('signal') or 'signal on another rank'})"
+    elif event == "stopped":
+        tags[f"ddptrain.stopped.{attempt}"] = f"step {step}: {record.get('reason', '')}"[:500]
+    return tags, [str(event)] if event in ("interrupted", "preempted", "stopped", "crashed") else []
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -4,6 +4,10 @@ Params are the flattened resolved config (MLflow params cannot change: on a resu
 value the change is kept as a tag `ddptrain.config_changed.<key>`). The highest delivered step per
 series travels in the same log_batch as the metrics (tag `ddptrain.delivered`), so a resumed run
 knows what the server holds even when the process was killed right after a delivery.
+
+A run is created with the tag `ddptrain.run_key` (a key stored in run.dir/trackers.json before), and
+its id is stored the moment it exists, before params or metrics: a start killed in between leaves a
+key but no id, and the next start finds the run by its key instead of opening a second one.
 """
 
 from __future__ import annotations
@@ -11,15 +15,25 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
 
-# A run's terminal MLflow status for each way a ddptrain run ends.
-STATUS = {"completed": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+# A run's terminal MLflow status for each way an attempt ends (observe/endings.py; "failed": it
+# never started training). A resume sets the run RUNNING again.
+STATUS = {
+    "completed": "FINISHED",
+    "interrupted": "KILLED",
+    "preempted": "KILLED",
+    "stopped": "FAILED",
+    "crashed": "FAILED",
+    "failed": "FAILED",
+}
 MAX_METRICS, MAX_TAGS = 1000, 100  # MLflow's per-log_batch limits
 DELIVERED_TAG = "ddptrain.delivered"
+KEY_TAG = "ddptrain.run_key"
 
 
 class MLflowTracker:
@@ -27,8 +41,18 @@ class MLflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, tracking_uri: str | None, experiment: str | None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str | None,
+        key: str,
+        key_known: bool,
+        store_id: Callable[[str], None],
+    ) -> None:
+        """key: the run folder's creation key (state.py); key_known: an earlier start stored it (and may have
+        created a run with it); store_id: records a created run's id in run.dir/trackers.json."""
         self.tracking_uri, self.experiment = tracking_uri, experiment
+        self.key, self.key_known, self.store_id = key, key_known, store_id
         # The delivery thread retries on its own schedule: MLflow's own retries (7, with backoff,
         # minutes in all) and 120 s timeout would only hide an outage from it. The user's settings win.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -42,14 +66,19 @@ class MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = self._client = self._client or MlflowClient(tracking_uri=self.tracking_uri)
-        run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or self._created_before(client)
         tags = {**start.system, "mlflow.source.name": "ddptrain", "ddptrain.attempts": str(start.attempt)}
         if "sys.git_commit" in start.system:
             tags["mlflow.source.git.commit"] = start.system["sys.git_commit"]  # the UI shows it with the run
         delivered: dict[str, int] = {}
+        notes: list[str] = []
         wanted = {k: str(v) for k, v in start.params.items()}  # MLflow params are text
         if run_id is None:
-            run = client.create_run(self._experiment_id(client), run_name=start.run_name)
+            experiment_id = self._experiment_id(client)
+            if start.attempt > 1 and not self.key_known:
+                notes = self._orphans(client, experiment_id, start.run_name)
+            run = client.create_run(experiment_id, run_name=start.run_name, tags={KEY_TAG: self.key})
+            self.store_id(run.info.run_id)  # before anything is sent: a kill from here on cannot split the run
             params = wanted
         else:
             run = client.get_run(run_id)
@@ -69,7 +98,32 @@ class MLflowTracker:
         for i in range(0, len(items), MAX_TAGS):
             client.log_batch(self.run_id, params=items[i : i + MAX_TAGS])
         self._log_tags(tags)
-        return Opened(self.run_id, delivered)
+        return Opened(self.run_id, delivered, notes)
+
+    def _created_before(self, client: Any) -> str | None:
+        """The run an earlier start created with this folder's key but was killed before storing its id."""
+        if not self.key_known:
+            return None  # the key is new: no run can carry it
+        found = client.search_runs(
+            [self._experiment_id(client)], filter_string=f"tags.`{KEY_TAG}` = '{self.key}'", max_results=1
+        )
+        return str(found[0].info.run_id) if found else None
+
+    def _orphans(self, client: Any, experiment_id: str, name: str) -> list[str]:
+        """A note naming runs of this name that an earlier version may have left RUNNING (killed before it
+        recorded their id): they have no creation key. Only named: they may belong to a live run elsewhere."""
+        if "'" in name:
+            return []  # not expressible in a filter string without escaping rules MLflow does not document
+        query = f"attributes.run_name = '{name}' and attributes.status = 'RUNNING' and tags.`mlflow.source.name` = 'ddptrain'"
+        runs = [r for r in client.search_runs([experiment_id], filter_string=query) if KEY_TAG not in r.data.tags]
+        if not runs:
+            return []
+        ids = ", ".join(r.info.run_id for r in runs)
+        return [
+            f"run(s) {ids} named {name!r} are RUNNING without a creation key: an earlier ddptrain may have left them "
+            "when an attempt was killed before it recorded their id; if no other job uses them, close them "
+            "(docs/observability.md, 'Tracker runs left open')"
+        ]
 
     def send(self, update: Update) -> None:
         """Metrics in log_batch calls of at most 1,000; the delivered marks go in the call with the last ones."""
@@ -94,7 +148,7 @@ class MLflowTracker:
         self._client.log_artifacts(self.run_id, str(folder), artifact_path=kind)
 
     def finish(self, status: str) -> None:
-        """FINISHED, KILLED (preempted: a resume sets it RUNNING again) or FAILED."""
+        """FINISHED (completed), KILLED (interrupted, preempted: a resume sets it RUNNING again) or FAILED."""
         self._client.set_terminated(self.run_id, STATUS.get(status, "FAILED"), int(time.time() * 1000))
 
     def _log_tags(self, tags: dict[str, str]) -> None:

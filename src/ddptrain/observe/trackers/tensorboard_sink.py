@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ddptrain.observe.endings import describe, is_end_record
 from ddptrain.observe.trackers.base import _is_number
 
 
 class TensorBoardSink:
-    """Numeric fields as scalars "<kind>/<field>"; per-rank lists as one chart with a line per rank."""
+    """Numeric fields as scalars "<kind>/<field>"; per-rank lists as one chart with a line per rank; an
+    attempt's end as text ("ending")."""
 
     name = "tensorboard"
 
@@ -23,6 +25,8 @@ class TensorBoardSink:
         if "step" not in record:
             return
         kind, step = record["kind"], record["step"]
+        if is_end_record(record):  # how the attempt ended, in the Text tab at its last step
+            self._writer.add_text("ending", describe(record), step)
         for k, v in record.items():
             if k in ("step", "time"):
                 continue

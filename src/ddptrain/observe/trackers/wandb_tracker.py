@@ -15,7 +15,8 @@ from typing import Any
 
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
 
-EXIT_CODE = {"completed": 0, "preempted": 75, "failed": 1}
+# The exit code each way an attempt ends (observe/endings.py) means; the run's summary has the details.
+EXIT_CODE = {"completed": 0, "interrupted": 130, "preempted": 75, "stopped": 1, "crashed": 1, "failed": 1}
 
 
 class WandbTracker:

@@ -1,0 +1,72 @@
+"""Every way an attempt ends, with real processes and real signals, told by `ddptrain report`.
+
+One run folder, four attempts: Ctrl-C (SIGINT, exit 130), SIGTERM (exit 75), SIGKILL (no end record),
+then a resume to the end. The report must call them interrupted, preempted, crashed and completed,
+each with its own mark on the plots.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddptrain.cli import main
+from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ddptrain.observe.report import event_marks, read_records
+from ddptrain.observe.story import tell
+from helpers import env_for_subprocess, read_metrics
+from test_interrupt import SLOW, TOY, wait_for_step
+
+pytestmark = pytest.mark.dist
+
+
+def start(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`ddptrain train` with SIGINT handled as in a terminal (a background shell would have it ignored)."""
+    return subprocess.Popen([sys.executable, "-m", "ddptrain", "train", *TOY, SLOW, f"run.dir={run_dir}"],
+                            env=env_for_subprocess(), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def last_step(run_dir: Path) -> int:
+    return max(r["step"] for r in read_metrics(run_dir))
+
+
+@pytest.mark.timeout(300)
+def test_report_tells_interrupted_preempted_crashed_and_completed_apart(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "attempts.log"
+    for sig, code in ((signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_PREEMPTED), (signal.SIGKILL, -9)):
+        proc = start(run_dir, log)
+        try:
+            wait_for_step(run_dir, (last_step(run_dir) if run_dir.exists() else 0) + 2, proc)
+            proc.send_signal(sig)
+            assert proc.wait(60) == code, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+            proc.wait()
+    proc = start(run_dir, log)
+    assert proc.wait(120) == 0, log.read_text()[-3000:]
+
+    ends = [(r["event"], r["exit_code"]) for r in read_metrics(run_dir, "event") if "exit_code" in r]
+    assert ends == [("interrupted", 130), ("preempted", 75), ("completed", 0)]  # the kill left none
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "status: finished (30 steps)" in out
+    assert "attempts: interrupted, preempted, crashed, completed" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("  attempt ")]
+    assert "interrupted by SIGINT at step" in lines[0] and "checkpoint committed (exit 130)" in lines[0], out
+    assert "preempted by SIGTERM at step" in lines[1] and "(exit 75)" in lines[1], out
+    assert "crashed: ended without an end record" in lines[2], out
+    assert "completed at step 30 (exit 0)" in lines[3], out
+
+    records, _ = read_records(run_dir / "metrics.jsonl")
+    marks = [m for m in event_marks(tell(records, finished=True)) if m.kind in ("interrupted", "preempted",
+                                                                                "crashed", "completed")]
+    assert sorted(m.kind for m in marks) == ["completed", "crashed", "interrupted", "preempted"]
+    assert len({(m.colour, m.marker) for m in marks}) == 4  # a mark of its own for each
+    for name in ("loss", "lr", "throughput", "step_time", "goodput"):
+        assert (run_dir / "report" / f"{name}.png").stat().st_size > 10_000
