@@ -296,6 +296,10 @@ RULES: list[tuple[str, Check | str]] = [
         "the Hugging Face walk-through on a trained Llama run: tests/dist/test_real_models.py",
     ),
     (r"^ddptrain train -c llama\.yaml ", "fine-tunes the exported Llama: tests/dist/test_real_models.py"),
+    (
+        r"^ddptrain launch --nproc-per-node 2 -- train -c llama\.yaml$",
+        "trains the Llama: tests/dist/test_real_models.py",
+    ),
     (r"^kubectl apply ", "needs a Kubernetes cluster: tests/cluster/test_k8s_replicas.py runs the manifest's pods"),
     (r"^ddptrain export runs/default ", "needs a trained run: tests/unit/test_checkpoint.py exports one"),
     (r"^ddptrain report runs/empty$", check_error_line),

@@ -292,6 +292,8 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     # reads a dead peer's address from them and fails to connect. With etcd it is also what lets
     # the job outlive the first node: the shared store lives in that node's agent.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its 4-line warning saying so
     # A worker whose agent dies gets the time the agent would have given it to stop (train/agent_watch.py).
     env[GRACE_ENV] = str(args.shutdown_timeout)
     if etcd:
