@@ -222,11 +222,13 @@ def test_killed_prepare_rerun_writes_the_same_shards(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=env_for_subprocess(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (out / "train-00002.bin").exists():
+    # Shards are written into the preparer's private folder and published together at the end.
+    while time.monotonic() < deadline and not list(out.glob(".prepare-*/train-00002.bin")):
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    assert not (out / "meta.json").exists()
+    assert list(out.glob(".prepare-*/train-00002.bin")), "the prepare was not killed mid-way"
+    assert not (out / "meta.json").exists() and not list(out.glob("train-*.bin"))  # nothing half-published
     r = run_ddptrain(["prepare", *args, "--out", str(out)], timeout=200)
     assert r.returncode == 0, r.stderr
     assert _files_sha256(out) == _files_sha256(tmp_path / "whole")
