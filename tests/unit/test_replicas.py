@@ -6,13 +6,24 @@ addition), and a single flipped bit anywhere changes the tensor's digest and the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.dist import DistContext
 from ddptrain.observe.digest import CHUNK, combine, named_state, state_digests, tensor_digest
-from ddptrain.train.replicas import ReplicaCheck, Split, name_tensors, replica_groups, splits, verdict_line
+from ddptrain.observe.verdict import verdict
+from ddptrain.train.replicas import (
+    ReplicaCheck,
+    Split,
+    name_tensors,
+    replica_groups,
+    splits,
+    verdict_line,
+    write_forensics,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
 
@@ -104,7 +115,7 @@ def test_the_second_round_names_the_tensors_and_the_line_the_hosts() -> None:
     tie = Split([0, 1], [0, 1])
     name_tensors(tie, [[1, 2], [1, 5]], ["param:w", "param:b"])
     assert tie.tensors == {0: ["param:b"], 1: ["param:b"]}
-    assert "ranks 0 on a, 1 on b differ and no majority can tell which is wrong" in verdict_line(
+    assert "ranks 0 on a, 1 on b differ and no majority can tell which is wrong: the last checkpoint" in verdict_line(
         tie, 10, None, ("a", "b")
     )
 
@@ -114,3 +125,9 @@ def test_check_steps_are_logged_steps_at_or_after_each_multiple() -> None:
     logged = {4, 8, 12, 16, 20, 24}
     assert [s for s in range(1, 25) if check.due(s, s in logged)] == [12, 20]
     assert not ReplicaCheck(DistContext(world_size=2), 0, [[0, 1]]).due(20, True)  # 0: off
+
+
+def test_triage_prints_a_recorded_divergence(tmp_path: Path) -> None:
+    record = {"event": "replica_divergence", "step": 30, "verdict": "replicas diverged by step 30 (...)"}
+    write_forensics(tmp_path / "stacks", record)
+    assert verdict(tmp_path / "stacks").splitlines()[0] == "verdict: replicas diverged by step 30 (...)"

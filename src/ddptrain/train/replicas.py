@@ -95,9 +95,8 @@ def verdict_line(split: Split, step: int, agreed: int | None, hosts: tuple[str, 
         )
     else:
         who = (
-            f"ranks {_ranks(split.odd, hosts)} differ and no majority can tell which is wrong: the last "
-            f"checkpoint's certificate decides which one continued the committed state (ddptrain verify-resume "
-            f"replays rank 0's)"
+            f"ranks {_ranks(split.odd, hosts)} differ and no majority can tell which is wrong: the last checkpoint, "
+            f"saved when they agreed, holds the committed state they both continued"
         )
     return (
         f"replicas diverged by step {step} ({since}): {who}, in {shown or 'no single tensor'}; "
@@ -111,7 +110,8 @@ class ReplicaCheck:
     def __init__(self, ctx: DistContext, every: int, groups: list[list[int]]) -> None:
         self.ctx, self.every = ctx, every
         self.groups = groups if every else []  # 0 turns the check off, also before checkpoints
-        self.agreed: int | None = None  # the last step every replica group agreed at
+        self.agreed: int | None = None  # the last step every replica group agreed at, and rank 0's digest then
+        self.agreed_digest: int | None = None
         self._next = every
 
     def due(self, step: int, logged: bool) -> bool:
@@ -130,7 +130,7 @@ class ReplicaCheck:
         values = [int(v) for v in self._gather(combine(digests))]  # the one host read of a check step
         found = splits(values, self.groups)
         if not found:
-            self.agreed = step
+            self.agreed, self.agreed_digest = step, values[0]
             return None
         per_rank = self._gather(digests).reshape(self.ctx.world_size, -1).tolist()  # the second round
         names = [name for name, _ in tensors]
@@ -141,6 +141,8 @@ class ReplicaCheck:
             "event": "replica_divergence",
             "step": step,
             "agreed_step": self.agreed,
+            "agreed_digest": self.agreed_digest,
+            "digests": values,
             "verdict": line,
             "splits": [
                 {
