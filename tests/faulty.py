@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 from toy import IdDataset
 
@@ -141,8 +142,9 @@ def flip_due(at: int | None, rank: int, marker: str | None, count: int) -> bool:
 
 def flip_bit(t: torch.Tensor) -> None:
     """Flip bit 3 of the first element's bytes in place: a tiny change no loss would show."""
+    local = t.to_local() if isinstance(t, DTensor) else t  # FSDP/HSDP: this rank's shard
     with torch.no_grad():
-        t.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 3)
+        local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 3)
 
 
 class FlippingAdamW(torch.optim.AdamW):

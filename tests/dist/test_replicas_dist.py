@@ -86,8 +86,23 @@ def test_three_ranks_name_the_corrupted_rank_and_tensor(tmp_path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_two_ranks_name_both_and_a_flipped_optimizer_moment(tmp_path: Path) -> None:
     line, event = diverges_then_resumes(tmp_path, 2, optimizer=True)
-    assert "ranks 0 on " in line and "no majority can tell which is wrong" in line
+    assert "ranks 0 on " in line and "with no majority which one is wrong cannot be told" in line
     assert event["splits"][0]["ranks"] == [0, 1]
     # The moment flipped after step 23's update; steps 24 and 25 may carry it into the weight.
     named = event["splits"][0]["tensors"]["1"]
     assert "optim:net.0.weight.exp_avg" in named and set(named) <= {"param:net.0.weight", "optim:net.0.weight.exp_avg"}
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_compares_the_ranks_holding_the_same_shard(tmp_path: Path) -> None:
+    # 2 x 2: ranks 0 and 2 hold one shard, 1 and 3 the other; rank 1's AdamW moment shard flips.
+    run_dir = tmp_path / "run"
+    hsdp = ["dist.strategy=hsdp", "dist.shard_size=2", "model.shard_units=[Linear]"]
+    done = run_ddptrain([*args(run_dir, 4, optimizer=True), *hsdp], nproc=4, timeout=240)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    [event] = [r for r in read_metrics(run_dir, "event") if r["event"] == "replica_divergence"]
+    [split] = event["splits"]
+    assert split["group"] == [1, 3] and split["ranks"] == [1, 3] and event["step"] == 25
+    assert "optim:net.0.weight.exp_avg" in split["tensors"]["1"]
+    assert committed(run_dir) == ["step-00000010", "step-00000020"]
+    print(event["verdict"])

@@ -115,8 +115,9 @@ def test_the_second_round_names_the_tensors_and_the_line_the_hosts() -> None:
     tie = Split([0, 1], [0, 1])
     name_tensors(tie, [[1, 2], [1, 5]], ["param:w", "param:b"])
     assert tie.tensors == {0: ["param:b"], 1: ["param:b"]}
-    assert "ranks 0 on a, 1 on b differ and no majority can tell which is wrong: the last checkpoint" in verdict_line(
-        tie, 10, None, ("a", "b")
+    assert (
+        "ranks 0 on a, 1 on b differ, in param:b; with no majority which one is wrong cannot be told: the last"
+        in verdict_line(tie, 10, None, ("a", "b"))
     )
 
 

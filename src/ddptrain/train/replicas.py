@@ -89,23 +89,25 @@ def verdict_line(split: Split, step: int, agreed: int | None, hosts: tuple[str, 
     first = next(iter(split.tensors.values()), [])
     shown = ", ".join(first[:3]) + (f" and {len(first) - 3} more" if len(first) > 3 else "")
     if split.majority:
-        who = (
-            f"rank {_ranks(split.odd, hosts)} differ{'s' if len(split.odd) == 1 else ''} from the majority "
-            f"(rank {_ranks(split.majority, hosts)})"
-        )
+        s = "s" if len(split.odd) == 1 else ""
+        who = f"rank {_ranks(split.odd, hosts)} differ{s} from the majority (rank {_ranks(split.majority, hosts)})"
+        tie = ""
     else:
-        who = (
-            f"ranks {_ranks(split.odd, hosts)} differ and no majority can tell which is wrong: the last checkpoint, "
-            f"saved when they agreed, holds the committed state they both continued"
+        who = f"ranks {_ranks(split.odd, hosts)} differ"
+        tie = (
+            "; with no majority which one is wrong cannot be told: the last checkpoint, saved when they agreed, "
+            "holds the committed state both continued"
         )
+    # Every save is preceded by a check: none after the last agreeing one can have been committed.
+    kept = f"no checkpoint after step {agreed} is committed" if agreed is not None else "this attempt committed none"
     return (
-        f"replicas diverged by step {step} ({since}): {who}, in {shown or 'no single tensor'}; "
-        f"nothing after step {agreed if agreed is not None else 0} is committed, rerun to resume from the last checkpoint"
+        f"replicas diverged by step {step} ({since}): {who}, in {shown or 'no single tensor'}{tie}; "
+        f"{kept}: rerun to resume from the last checkpoint"
     )
 
 
 class ReplicaCheck:
-    """Every rank: digest, exchange, judge. `check` raises ReplicaDivergence on every rank together."""
+    """Every rank: digest, exchange, judge; `check` returns the same verdict on every rank (the Trainer stops them)."""
 
     def __init__(self, ctx: DistContext, every: int, groups: list[list[int]]) -> None:
         self.ctx, self.every = ctx, every
@@ -127,7 +129,7 @@ class ReplicaCheck:
             return None
         tensors = named_state(model, optimizer)
         digests = state_digests(tensors, self.ctx.device)
-        values = [int(v) for v in self._gather(combine(digests))]  # the one host read of a check step
+        values: list[int] = self._gather(combine(digests)).tolist()  # the one host read of a check step
         found = splits(values, self.groups)
         if not found:
             self.agreed, self.agreed_digest = step, values[0]
