@@ -79,7 +79,7 @@ def compare(logged: dict[str, Any], replay: dict[str, Any]) -> str | None:
     for name, values in logged["digest"].items():
         mine = replay["digest"].get(name)
         if mine != values:
-            return f"tensor {name}: logged sums {values}, replay {mine}"
+            return f"tensor {name}: logged [sum, digest] {values}, replay {mine}"
     if logged["loss"] != replay["loss"]:
         return f"loss: logged {logged['loss']!r}, replay {replay['loss']!r}"
     return None
