@@ -29,6 +29,7 @@ FIGURES = [
     "overlap",
     "checkpoint",
     "checkpoint_ranks",
+    "replicas",
     "fsdp",
     "data",
     "tracking",

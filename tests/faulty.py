@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 from toy import IdDataset
 
@@ -39,6 +41,7 @@ class FaultyRegressor(nn.Module):
         extra_params: int,
         hang: tuple[int | None, int, float, str | None],
         skip: tuple[bool, int | None, int],
+        flip: tuple[int | None, int, str | None],
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -52,6 +55,7 @@ class FaultyRegressor(nn.Module):
         self.nan_at, self.nan_rank = nan_at, nan_rank
         self.hang_at, self.hang_rank, self.hang_s, self.hang_marker = hang
         self.sync_stat, self.skip_at, self.skip_rank = skip
+        self.flip = flip
         self.rank = int(os.environ.get("RANK", "0"))
         self.forwards = 0
         self.record = None
@@ -60,6 +64,8 @@ class FaultyRegressor(nn.Module):
             self.record = Path(record_dir) / f"params-rank{self.rank}-pid{os.getpid()}.txt"
 
     def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training and flip_due(*self.flip, self.forwards + 1):  # before autograd saves the weight
+            flip_bit(self.net[0].weight)
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.extra is not None:
             loss = loss + 0.0 * self.extra.sum()
@@ -105,6 +111,9 @@ def build_model(
     sync_stat: bool = False,
     skip_at: int | None = None,
     skip_rank: int = 1,
+    flip_at: int | None = None,
+    flip_rank: int = 1,
+    flip_marker: str | None = None,
 ) -> nn.Module:
     return FaultyRegressor(
         dim,
@@ -118,7 +127,46 @@ def build_model(
         extra_params,
         (hang_at, hang_rank, hang_s, hang_marker),
         (sync_stat, skip_at, skip_rank),
+        (flip_at, flip_rank, flip_marker),
     )
+
+
+def flip_due(at: int | None, rank: int, marker: str | None, count: int) -> bool:
+    """Whether this rank flips a bit now: at the count-th call, on `rank`, once (the marker file says it did)."""
+    if at != count or int(os.environ.get("RANK", "0")) != rank or (marker and os.path.exists(marker)):
+        return False
+    if marker:
+        Path(marker).write_text(f"flipped at {count} on rank {rank}\n")
+    return True
+
+
+def flip_bit(t: torch.Tensor) -> None:
+    """Flip bit 3 of the first element's bytes in place: a tiny change no loss would show."""
+    local = t.to_local() if isinstance(t, DTensor) else t  # FSDP/HSDP: this rank's shard
+    with torch.no_grad():
+        local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 3)
+
+
+class FlippingAdamW(torch.optim.AdamW):
+    """AdamW whose flip_at-th step is followed by a bit flip in the first parameter's exp_avg on flip_rank."""
+
+    def __init__(self, params: Any, flip: tuple[int | None, int, str | None], **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.flip, self.steps = flip, 0
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().step(*args, **kwargs)
+        self.steps += 1
+        if flip_due(*self.flip, self.steps):
+            first = self.param_groups[0]["params"][0]
+            flip_bit(self.state[first]["exp_avg"])
+        return out
+
+
+def build_flipping_adamw(
+    param_groups: Any, flip_at: int | None = None, flip_rank: int = 1, flip_marker: str | None = None
+) -> torch.optim.Optimizer:
+    return FlippingAdamW(param_groups, (flip_at, flip_rank, flip_marker), fused=True)
 
 
 class BlockingDataset(Dataset):

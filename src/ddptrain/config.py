@@ -351,6 +351,11 @@ class LogConfig(_Section):
         description="Warn when a rank's compute time (net of waiting for a CPU) over the window exceeds the other ranks' median by this factor (two checks in a row).",
     )
     straggler_window: int = Field(30, ge=4, description="Steps the straggler comparison is taken over.")
+    replica_check_every: int = Field(
+        100,
+        ge=0,
+        description="Compare the data-parallel replicas' state digests on the first logged step at or after every N steps and before every checkpoint; a divergence stops the run (exit 1) with nothing new committed. 0 disables.",
+    )
     peak_tflops: float | None = Field(
         None,
         gt=0,

@@ -74,6 +74,7 @@ from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
+from ddptrain.train.replicas import ReplicaDivergence
 from ddptrain.train.rng import seed_everything
 from ddptrain.train.trainer import Trainer
 
@@ -124,7 +125,7 @@ class Run:
             log.info("%s: checkpoint committed; run the same command again to resume (exit %d)", e, e.exit_code)
             self._end(status, e.exit_code, signal=e.signal_name, world_size=ctx.world_size)
             return self._result(status)
-        except (NonFiniteError, CheckpointSaveError) as e:
+        except (NonFiniteError, CheckpointSaveError, ReplicaDivergence) as e:
             self.progress.close()
             log.error("%s", e)
             self._end("stopped", e.exit_code, reason=str(e))

@@ -39,6 +39,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "overlap",
         "checkpoint",
         "checkpoint (2 ranks)",
+        "replica check",
         "fsdp (2 ranks)",
         "data",
         "tracking",

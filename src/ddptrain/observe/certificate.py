@@ -1,8 +1,8 @@
 """The resume certificate: on every logged step, a cheap digest of the training state and the samples consumed.
 
 Rank 0 appends one line per logged step to `run.dir/certificate.jsonl`: per parameter and per
-optimizer-state tensor, two float64 sums (the whole tensor, and a fixed strided slice of at most
-1,024 elements, which moves when single elements change), the global sample positions consumed
+optimizer-state tensor, a float64 sum and the exact digest of observe/digest.py (the one the
+replica check compares across ranks: any flipped bit changes it), the global sample positions consumed
 since the previous record with a CRC-32 of their ids, and the logged loss. The digest is computed on
 the device and read with one transfer, only on logged steps (which synchronize anyway). `ddptrain
 verify-resume` (verify_resume.py) replays steps from a checkpoint and compares its own digests with
@@ -21,38 +21,31 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.observe.digest import named_state, state_digests
 
-SLICE = 1024
 FILE = "certificate.jsonl"
 
 
-def _digest_parts(name: str, t: torch.Tensor, names: list[str], parts: list[torch.Tensor]) -> None:
-    # Under FSDP (DTensor) rank 0 digests its own shard: reading the full tensor would be a
-    # collective that only rank 0 enters.
-    local = t.to_local() if isinstance(t, DTensor) else t
-    flat = local.detach().reshape(-1)
-    stride = max(1, flat.numel() // SLICE)
-    names.append(name)
-    parts.append(torch.stack([flat.sum(dtype=torch.float64), flat[::stride][:SLICE].sum(dtype=torch.float64)]))
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float | int]]:
+    """name -> [sum, exact digest] for every parameter and optimizer-state tensor (one device-to-host copy).
 
-
-def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
-    """name -> [sum, slice sum] for every parameter and optimizer-state tensor (one device-to-host copy)."""
-    names: list[str] = []
-    parts: list[torch.Tensor] = []
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        _digest_parts(f"param:{n}", p, names, parts)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    where = parts[0].device if parts else value.device
-                    _digest_parts(f"optim:{by_id.get(id(p), '?')}.{key}", value.to(where), names, parts)
-    if not parts:
+    The exact digest (observe/digest.py, the replica check's) decides "the same state"; the float64 sum
+    measures how far two states drifted (a replay at another world size). Under FSDP (DTensor) rank 0
+    digests its own shard: reading the full tensor would be a collective that only rank 0 enters.
+    """
+    tensors = named_state(model, optimizer)
+    if not tensors:
         return {}
-    values = torch.stack([x.to(parts[0].device) for x in parts]).cpu().tolist()
-    return dict(zip(names, values))
+    device = tensors[0][1].device
+    sums = torch.stack(
+        [
+            (t.to_local() if isinstance(t, DTensor) else t).detach().sum(dtype=torch.float64).to(device)
+            for _, t in tensors
+        ]
+    )
+    exact = state_digests(tensors, device).view(torch.float64)  # the int64 bits ride in the same copy
+    both = torch.stack([sums, exact]).cpu()
+    return {name: [s, d] for (name, _), s, d in zip(tensors, both[0].tolist(), both[1].view(torch.int64).tolist())}
 
 
 def consumed(sampler: ResumableDistributedSampler, steps: int) -> tuple[list[list[int]], int]:

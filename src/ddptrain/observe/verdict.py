@@ -18,6 +18,8 @@ from typing import Any
 
 from ddptrain.errors import UserError
 
+FORENSICS = "replicas.json"  # train/replicas.py: the verdict of replicas that diverged
+
 
 class TriageError(UserError):
     """No forensics to read (no hang was recorded in this run folder)."""
@@ -179,10 +181,13 @@ def _silent_line(rank: int, host: str, seen: dict[str, Any] | None) -> str:
 
 
 def verdict(stacks_dir: Path) -> str:
-    """The short verdict of a hang from the files in stacks_dir."""
+    """The short verdict of a hang (or of replicas that diverged, train/replicas.py) from the files in stacks_dir."""
     if not stacks_dir.is_dir():
         raise TriageError(f"no {stacks_dir} folder: this run recorded no hang (the watchdog writes it on a hang)")
     reports, observed = read_stacks(stacks_dir)
+    if not reports and not observed and (stacks_dir / FORENSICS).is_file():
+        diverged = json.loads((stacks_dir / FORENSICS).read_text())
+        return f"verdict: {diverged.get('verdict')}\ndetails: {stacks_dir / FORENSICS}"
     if not reports and not observed:
         raise TriageError(f"no hang reports (rank-*.json) in {stacks_dir}: nothing to triage")
     any_report = next(iter([*reports.values(), *observed.values()]))

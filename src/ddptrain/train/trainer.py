@@ -1,6 +1,6 @@
 """The Trainer: one object, plainly named steps. Read `train_step` to see a whole DDP step.
 
-fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps
+fit()            loop: train_step -> log -> check replicas -> evaluate -> checkpoint, until max_steps
 train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss over all ranks
@@ -42,6 +42,7 @@ from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
 from ddptrain.train.precision import Precision
 from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
 from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
@@ -127,6 +128,8 @@ class Trainer:
         self.stragglers = StragglerMonitor(
             ctx, cfg.log.straggler_every, cfg.log.straggler_factor, cfg.log.straggler_window
         )
+        groups = replica_groups(ctx.world_size, cfg.dist.strategy, cfg.dist.shard_size or 1)
+        self.replicas = ReplicaCheck(ctx, cfg.log.replica_check_every, groups)
         self.step = 0
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
@@ -323,10 +326,13 @@ class Trainer:
                 window_steps, window_time = 0, 0.0
             if self.stragglers.due(self.step):
                 self.log_stragglers()
+            saving = self.checkpointer.due(self.step, final=last, stop=stop)
+            if self.replicas.due(self.step, self.logs_at(self.step)) or saving:
+                self.check_replicas()  # before every save: a checkpoint is never committed from replicas that disagree
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or last):
                 with _phase(watchdog, "evaluation"):
                     self.log_eval()
-            if self.checkpointer.due(self.step, final=last, stop=stop):
+            if saving:
                 with _phase(watchdog, "checkpoint"):
                     self.save_checkpoint()
                     self.report_saves()
@@ -390,6 +396,16 @@ class Trainer:
         self.metrics.write("ranks", **record)
         for warning in warnings:
             log.warning(warning)
+
+    def check_replicas(self) -> None:
+        """All ranks: compare the replicas' state digests; on a divergence record the verdict and stop every rank."""
+        record = self.replicas.check(self.step, self.model, self.optimizer)
+        if record is None:
+            return
+        self.metrics.write("event", **record)
+        if self.ctx.is_main:
+            write_forensics(self.cfg.run_dir / "stacks", record)
+        raise ReplicaDivergence(record["verdict"])
 
     def log_eval(self) -> None:
         """All ranks evaluate; rank 0 records val_loss."""
