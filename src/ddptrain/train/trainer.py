@@ -84,7 +84,7 @@ class Trainer:
         progress: Progress,
     ) -> None:
         self.cfg, self.ctx, self.checkpointer = cfg, ctx, checkpointer
-        self.metrics, self.progress = metrics, progress
+        self.metrics, self.progress, self.val_set = metrics, progress, val_set
         self.ddp = model  # what the step calls: DDP (and torch.compile) around the user's module
         self.model = unwrap_model(model)
         self.model_name = model_name(self.model, cfg.model.target)
@@ -98,7 +98,6 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(
             n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
         )
-        pin = ctx.device.type == "cuda"
         # The loader gets its own generator: creating an iterator (at resume, at each epoch)
         # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
         self.loader = DataLoader(
@@ -106,10 +105,9 @@ class Trainer:
             batch_size=cfg.data.micro_batch_size,
             sampler=self.sampler,
             num_workers=cfg.data.num_workers,
-            pin_memory=pin,
+            pin_memory=ctx.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
         )
-        self.val_set = val_set
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else None
