@@ -59,3 +59,12 @@ def write_text_replace(path: Path, text: str) -> None:
     with open_new_no_follow(tmp) as f:
         f.write(text.encode())
     os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so that the names created or renamed in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
-from ddptrain.checkpoint.durable import fsync_dir, write_durable
+from ddptrain.checkpoint.durable import write_durable
 from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manifest, checkpoint_name, step_of
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
@@ -54,7 +54,7 @@ from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
-from ddptrain.safe_files import refuse_symlink
+from ddptrain.safe_files import fsync_dir, refuse_symlink
 
 
 @dataclass

@@ -14,15 +14,6 @@ from ddptrain.checkpoint.manifest import FileEntry
 from ddptrain.safe_files import open_new_no_follow
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder, so that the names created or renamed in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _HashingWriter:
     """A file wrapper that hashes what passes through: torch.save streams into the file and the
     SHA-256 comes for free, with no second in-memory copy of the state and no re-read."""

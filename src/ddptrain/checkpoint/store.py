@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ddptrain.checkpoint.durable import fsync_dir
 from ddptrain.checkpoint.manifest import checkpoint_name, step_of
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, read_manifest, verify_checkpoint
 from ddptrain.errors import CheckpointError
+from ddptrain.safe_files import fsync_dir
 
 ARCHIVE = "archive"
 

@@ -43,6 +43,7 @@ from ddptrain.data.tokenizer import (
     train_bpe,
 )
 from ddptrain.errors import DataError, DdptrainError
+from ddptrain.safe_files import open_new_no_follow
 
 __all__ = ["META", "SPLITS", "CorpusInfo", "PrepareOptions", "prepare_corpus", "recipe_of"]
 
@@ -257,8 +258,8 @@ def _prepare_into(
         "shards": shards,
         "recipe": recipe,
     }
-    with open(folder / META, "w") as f:
-        f.write(json.dumps(meta, indent=1))
+    with open_new_no_follow(folder / META) as f:  # folder is the preparer's fresh private one
+        f.write(json.dumps(meta, indent=1).encode())
         f.flush()
         os.fsync(f.fileno())
     return CorpusInfo(

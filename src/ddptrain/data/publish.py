@@ -27,6 +27,7 @@ from typing import Any
 
 from ddptrain.errors import Contention
 from ddptrain.lockfile import LockFile, Owner
+from ddptrain.safe_files import fsync_dir
 
 META = "meta.json"
 PREPARE_LOCK = ".prepare.lock"
@@ -104,9 +105,9 @@ class PrepareLock:
             os.replace(private / name, out / name)
         for name in sorted(old - new):
             (out / name).unlink(missing_ok=True)  # the old corpus's shards that the new one does not have
-        _fsync_dir(out)
+        fsync_dir(out)
         os.replace(private / META, out / META)
-        _fsync_dir(out)
+        fsync_dir(out)
 
 
 def _listed_files(out_dir: Path) -> set[str]:
@@ -130,14 +131,6 @@ def _remove_debris(out_dir: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         elif _OLD_TMP.fullmatch(p.name) and p.is_file():
             p.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_recipe(out_dir: Path) -> str | None:
