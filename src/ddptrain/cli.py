@@ -284,6 +284,12 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     wait_help = f"seconds to wait for another prepare of --out (default {PrepareOptions.wait_s:g})"
     pr.add_argument("--wait", type=float, default=PrepareOptions.wait_s, help=wait_help)
     pr.add_argument(
+        "--force",
+        action="store_true",
+        help="prepare even when --out holds files no prepare wrote (without it: exit 2 naming them); files "
+        "named like prepare's output (meta.json, tokenizer.json, shards) are then replaced, others left alone",
+    )
+    pr.add_argument(
         "--shard-tokens",
         type=int,
         default=PrepareOptions.shard_tokens,
@@ -389,7 +395,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.shard_tokens < 1 or args.workers < 0:
             raise ConfigError("--shard-tokens must be >= 1 and --workers >= 0")
         number_in("--wait", args.wait, 0.0, MAX_TIMEOUT_S)
-        options = PrepareOptions(args.tokenizer, args.jsonl_field, args.workers, args.shard_tokens, wait_s=args.wait)
+        options = PrepareOptions(
+            args.tokenizer, args.jsonl_field, args.workers, args.shard_tokens, wait_s=args.wait, force=args.force
+        )
         return prepare(args.sources, args.out, args.val_fraction, options)
     if args.command == "export":
         return export(args.run_dir, args.out, args.step, args.format, args.data_dir)

@@ -57,7 +57,7 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
     from ddptrain.train.precision import Precision
 
     cfg, model = model_of(ckpt, overrides)
-    dataset, source = _eval_split(cfg, split)
+    dataset, source = _eval_split(cfg, split, model)
     n = eval_samples(batches, cfg.train.global_batch_size, len(dataset))
     if n < 1:
         raise DataError(f"split {split!r} of {source} has no samples")
@@ -82,15 +82,37 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
         close_distributed(ctx)
 
 
-def _eval_split(cfg: Config, split: str) -> tuple[Any, str]:
-    """(the dataset of split, what it is): the prepared corpus's split, or the train/val set of data.target."""
+def _check_corpus(cfg: Config, model: torch.nn.Module, data_dir: Path) -> None:
+    """DataError, as training raises it, when the corpus's vocabulary exceeds the model's or its bytes do not
+    match its meta.json (data/verify.py): the model would index past its embedding (an IndexError, exit 1)."""
+    from ddptrain.data.corpus import read_meta
+    from ddptrain.data.verify import verify_corpus
+    from ddptrain.models import fit_vocab_to_data
+
+    meta = read_meta(data_dir)
+    vocab = meta["vocab_size"]
+    if cfg.model.target is None and cfg.model.hf is None:
+        # The checkpoint's config sets model.vocab_size, so this is train's check and its message.
+        fit_vocab_to_data(cfg.model, vocab)
+    else:
+        model_vocab = getattr(model, "vocab_size", None)  # model.hf's wrapper has it; a model.target's may not
+        if isinstance(model_vocab, int) and model_vocab < vocab:
+            raise DataError(f"the model has a vocabulary of {model_vocab}, smaller than the data's ({vocab})")
+    verify_corpus(data_dir, meta)
+
+
+def _eval_split(cfg: Config, split: str, model: torch.nn.Module) -> tuple[Any, str]:
+    """(the dataset of split, what it is): the prepared corpus's split (checked as training checks it), or the
+    train/val set of data.target."""
     from ddptrain.data import build_datasets, require_data_source
     from ddptrain.data.dataset import load_split
     from ddptrain.train.rng import seed_everything
 
     require_data_source(cfg.data)
     if cfg.data.target is None:
-        return load_split(Path(cfg.data.dir), split, cfg.model.block_size), cfg.data.dir
+        dataset = load_split(Path(cfg.data.dir), split, cfg.model.block_size)
+        _check_corpus(cfg, model, Path(cfg.data.dir))
+        return dataset, cfg.data.dir
     if split not in ("train", "val"):
         raise ConfigError(f"--split {split!r}: data.target gives the splits train and val")
     seed_everything(cfg.run.seed)  # as the trainer builds them: a factory drawing random samples draws the same

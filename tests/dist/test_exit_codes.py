@@ -6,7 +6,9 @@ differs), and a few generated configs train for real or exit 2 in one line.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +70,43 @@ def test_ranks_with_different_data_stop_before_the_first_step(corpus_dir: Path, 
     assert "exitcode  : 2" in r.stderr or "(exitcode: 2)" in r.stderr
     metrics = run_dir / "metrics.jsonl"
     assert not metrics.exists() or '"kind": "train"' not in metrics.read_text()  # no step was taken
+
+
+@pytest.mark.timeout(180)
+def test_ranks_given_different_shard_bytes_under_one_meta_json_stop_before_the_first_step(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """Before: the identity check compared meta.json only, and both ranks trained (exit 0) on different data."""
+    other = Path(shutil.copytree(corpus_dir, tmp_path / "same-meta"))
+    shard = other / "train-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[1000] ^= 0x20  # same size, same meta.json, one byte different
+    shard.write_bytes(bytes(data))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(TESTS_DIR / "per_rank_data.py"), "train", *TINY, f"run.dir={run_dir}"]
+    env = env_for_subprocess({"DATA_DIRS": f"{corpus_dir}:{other}"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
+    assert len(errors) == 2, r.stderr[-3000:]  # every rank, one line each, naming the rank, host and shard
+    for line in errors:
+        assert f"rank 1 (" in line and f"{shard}: its bytes do not match meta.json" in line, line
+    assert "exitcode  : 2" in r.stderr or "(exitcode: 2)" in r.stderr
+    assert not (run_dir / "metrics.jsonl").exists() or '"kind": "train"' not in (run_dir / "metrics.jsonl").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_a_bad_meta_json_under_launch_is_one_attempt_and_exit_2(corpus_dir: Path, tmp_path: Path) -> None:
+    """Before: vocab_size 10**12 was a traceback (exit 1), and `--max-restarts 2` ran the job three times."""
+    bad = Path(shutil.copytree(corpus_dir, tmp_path / "bad"))
+    meta = json.loads((bad / "meta.json").read_text())
+    (bad / "meta.json").write_text(json.dumps({**meta, "vocab_size": 10**12}))
+    r = launch(["--nproc-per-node", "1", "--max-restarts", "2", "--shutdown-timeout", "5", "--", "train", *TINY,
+                f"data.dir={bad}", f"run.dir={tmp_path / 'run'}"])
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
+    assert len(errors) == 1 and "vocab_size: Input should be less than or equal to 16777216" in errors[0], r.stderr
+    assert "restart(s)" not in r.stderr and "bad input (a worker exited 2; not restarted)" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def prepare_tiny_corpus_variant(out: Path) -> Path:

@@ -6,6 +6,7 @@ tests/dist/test_exit_codes.py run the real command in subprocesses and under lau
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -152,10 +153,12 @@ def test_train_refuses_data_the_model_cannot_use(
     empty.mkdir()
     for split in ("train", "val"):
         (empty / f"{split}.bin").write_bytes(b"")
-    (empty / "meta.json").write_text(json.dumps({"vocab_size": 256, "train_tokens": 0, "val_tokens": 0}))
+    nothing = hashlib.sha256(b"").hexdigest()  # a legacy corpus (train.bin, val.bin) of no bytes
+    legacy = {"vocab_size": 256, "train_tokens": 0, "val_tokens": 0, "sha256": nothing}
+    (empty / "meta.json").write_text(json.dumps(legacy))
     assert_one_line_exit_2(["train", *tiny, f"data.dir={empty}"], "holds 0 tokens in this split", capsys)
     (empty / "meta.json").write_text("{not json")
-    assert_one_line_exit_2(["train", *tiny, f"data.dir={empty}"], "meta.json is malformed", capsys)
+    assert_one_line_exit_2(["train", *tiny, f"data.dir={empty}"], "meta.json is not valid JSON", capsys)
     assert_one_line_exit_2(["train", *tiny, f"data.dir={tmp_path / 'absent'}"], "no prepared corpus in", capsys)
 
 

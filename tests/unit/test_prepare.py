@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sysconfig
 from pathlib import Path
@@ -16,6 +17,7 @@ from ddptrain.data.corpus import PrepareOptions, prepare_corpus, read_meta
 from ddptrain.data.dataset import load_token_datasets
 from ddptrain.data.shards import ShardWriter, TokenSequence
 from ddptrain.data.tokenizer import load_tokenizer_file, sha256_file, smallest_dtype
+from ddptrain.data.verify import verify_corpus
 from ddptrain.errors import ConfigError, DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -71,13 +73,19 @@ def test_bytes_is_the_historic_corpus(tmp_path: Path) -> None:
     assert info.val_tokens == n_val and train.tobytes() == raw[: len(raw) - n_val]
 
 
+def legacy_meta(train: int, val: int, sha256: str) -> dict[str, object]:
+    """A meta.json as the prepare from before shards wrote it (one SHA-256 of train.bin + val.bin)."""
+    return {"vocab_size": 256, "dtype": "uint8", "files": 2, "train_tokens": train, "val_tokens": val, "sha256": sha256}
+
+
 def test_legacy_single_file_corpus_still_loads(tmp_path: Path) -> None:
-    data = np.frombuffer(b"".join(p.read_bytes() for p in FILES[:2]), np.uint8)
+    raw = b"".join(p.read_bytes() for p in FILES[:2])
+    data = np.frombuffer(raw, np.uint8)
     data[:-5000].tofile(tmp_path / "train.bin")
     data[-5000:].tofile(tmp_path / "val.bin")
-    (tmp_path / "meta.json").write_text(
-        json.dumps({"vocab_size": 256, "dtype": "uint8", "train_tokens": len(data) - 5000, "val_tokens": 5000})
-    )
+    meta = legacy_meta(len(data) - 5000, 5000, hashlib.sha256(raw).hexdigest())
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    verify_corpus(tmp_path, read_meta(tmp_path))  # its one SHA-256 covers both files
     train, val = load_token_datasets(tmp_path, 32)
     assert len(val) == 4999 // 32
     assert bytes(train[0][0].tolist()) == data[:32].tobytes()

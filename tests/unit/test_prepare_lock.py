@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta
 from ddptrain.data.publish import PREPARE_LOCK, PrepareLock
 from ddptrain.data.tokenizer import sha256_file
-from ddptrain.errors import Contention, DdptrainError
+from ddptrain.errors import Contention, DataError, DdptrainError
 from ddptrain.lockfile import STALE_S, LockFile, me, read_owner
 
 Op = tuple[int, str]
@@ -124,20 +124,24 @@ def _die_mid_prepare(out: str, stage: str, ready: mp.Event) -> None:  # type: ig
     if stage == "mid-shard":
         ShardWriter(lock.private, "train", 1 << 20, np.dtype(np.uint8)).append(np.arange(5000, dtype=np.uint8))
     else:
-        opts = PrepareOptions()
+        opts = PrepareOptions(shard_tokens=50_000)  # several train shards: names the old corpus does not have
         spec = TokenizerSpec.parse("bytes")
         _prepare_into(FILES, lock.private, 0.1, opts, spec, recipe_of(FILES, 0.1, opts, spec))
+    if stage == "mid-publish":  # publish's first steps (PrepareLock.publish), then killed before meta.json
+        os.replace(Path(out) / "meta.json", lock.private / "meta.old.json")
+        for shard in sorted(lock.private.glob("train-*.bin")):
+            os.replace(shard, Path(out) / shard.name)
     ready.set()
     time.sleep(60)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stage", ["mid-shard", "before-publish"])
+@pytest.mark.parametrize("stage", ["mid-shard", "before-publish", "mid-publish"])
 def test_a_killed_preparers_lock_and_private_folder_are_recovered(tmp_path: Path, stage: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "notes.txt").write_text("the user's")  # prepare never removes what it did not write
     prepare_corpus(FILES[:2], out, 0.1)  # an older corpus, which a dead preparer must not have damaged
+    (out / "notes.txt").write_text("the user's")  # prepare never removes what it did not write
     before = _files(out)
     ctx = mp.get_context("fork")
     ready = ctx.Event()
@@ -149,9 +153,15 @@ def test_a_killed_preparers_lock_and_private_folder_are_recovered(tmp_path: Path
     debris = {p.name for p in out.iterdir() if p.name.startswith(".prepare")}
     private = debris - {PREPARE_LOCK}
     assert PREPARE_LOCK in debris and len(private) == 1 and any((out / private.pop()).iterdir())
-    assert corpus_ready(out) and _files(out, hidden=False) == before
+    if stage == "mid-publish":  # no meta.json: the shards in OUT are known from the dead one's private folder
+        assert not corpus_ready(out) and len(list(out.glob("train-*.bin"))) > 1  # the old corpus had one
+    else:
+        assert corpus_ready(out) and _files(out, hidden=False) == before
     said: list[str] = []
-    prepare_corpus(FILES, out, 0.1, say=said.append)
+    # Only the user's file is foreign: the dead preparer's lock, private folder and half-published shards are a prepare's.
+    with pytest.raises(DataError, match=r"holds files prepare did not write \('notes.txt'\), left untouched"):
+        prepare_corpus(FILES, out, 0.1, say=said.append)
+    prepare_corpus(FILES, out, 0.1, PrepareOptions(force=True), say=said.append)
     assert any("took over the prepare lock" in s for s in said)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
     _assert_whole(out)
@@ -164,14 +174,17 @@ def test_a_killed_preparers_lock_and_private_folder_are_recovered(tmp_path: Path
 @given(corpora=st.lists(st.tuples(st.integers(1, 3), st.sampled_from([900, 4000, 1 << 20])), min_size=1, max_size=4))
 @settings(max_examples=12, deadline=None)
 def test_publishing_replaces_only_what_prepare_wrote(tmp_path_factory: pytest.TempPathFactory, corpora: list) -> None:  # type: ignore[type-arg]
-    """Corpora of other files and shard counts prepared over each other: after each the folder is exactly
-    that corpus (an old corpus's extra shards removed) beside the user's files, byte for byte."""
+    """Corpora of other files and shard counts prepared over each other with --force: after each the folder is
+    exactly that corpus (an old corpus's extra shards removed) beside the user's files, byte for byte."""
     out = tmp_path_factory.mktemp("out")
     users = {"train.bin": b"nanoGPT data", "draft.tmp": b"x", "val-final.bin": b"y", "train-00099.bin.bak": b"z"}
     for name, data in users.items():
         (out / name).write_bytes(data)
+    with pytest.raises(DataError, match=r"\('draft.tmp', 'train-00099.bin.bak', 'train.bin' and 1 more\)"):
+        prepare_corpus(FILES, out, 0.1)  # refused without --force: nothing written
+    assert _files(out) == users
     for n_files, shard_tokens in corpora:
-        prepare_corpus(FILES[:n_files], out, 0.1, PrepareOptions(shard_tokens=shard_tokens))
+        prepare_corpus(FILES[:n_files], out, 0.1, PrepareOptions(shard_tokens=shard_tokens, force=True))
         _assert_whole(out)
         meta = read_meta(out)
         listed = {s["file"] for split in ("train", "val") for s in meta["shards"][split]}

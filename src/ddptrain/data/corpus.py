@@ -16,8 +16,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from ddptrain.data.meta import ITEMSIZE, read_meta_file
 from ddptrain.data.prepare import SPLITS, CorpusInfo, PrepareOptions, prepare_corpus
-from ddptrain.data.publish import META
 from ddptrain.errors import DataError
 
 __all__ = [
@@ -51,27 +51,6 @@ def expand_sources(patterns: list[str]) -> list[Path]:
     return files
 
 
-def _legacy(meta: dict[str, Any]) -> dict[str, Any]:
-    """A pre-shard meta.json (train.bin, val.bin of bytes) in today's form."""
-    shards = {s: [{"file": f"{s}.bin", "tokens": meta[f"{s}_tokens"]}] for s in SPLITS}
-    return {
-        **meta,
-        "format": 1,
-        "dtype": "uint8",
-        "tokenizer": {"kind": "bytes", "file": None, "sha256": None},
-        "eos_id": None,
-        "shards": shards,
-    }
-
-
-def _load_meta(data_dir: Path) -> dict[str, Any] | None:
-    try:
-        meta = json.loads((data_dir / META).read_text())
-        return meta if "shards" in meta else _legacy(meta)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return None
-
-
 def corpus_fingerprint(meta: dict[str, Any]) -> str | None:
     """One SHA-256 naming a prepared corpus: its tokens (each shard's SHA-256), dtype and tokenizer.
 
@@ -90,40 +69,28 @@ def corpus_fingerprint(meta: dict[str, Any]) -> str | None:
 
 
 def corpus_ready(data_dir: Path) -> bool:
-    """True when data_dir holds a completely prepared corpus."""
-    meta = _load_meta(data_dir)
-    if meta is None:
+    """True when data_dir holds a completely prepared corpus (a valid meta.json and every file it lists)."""
+    try:
+        read_meta(data_dir)
+    except (DataError, OSError):
         return False
-    return all((data_dir / s["file"]).is_file() for split in SPLITS for s in meta["shards"][split])
+    return True
 
 
 def read_meta(data_dir: Path) -> dict[str, Any]:
-    """The corpus's meta.json (legacy ones in today's form), checked against the shard files beside it."""
-    if not (data_dir / META).is_file():
-        raise DataError(
-            f"no prepared corpus in {data_dir} (meta.json is missing); run `ddptrain prepare --out {data_dir} FILES...`"
-        )
-    meta = _load_meta(data_dir)
-    malformed = DataError(f"{data_dir / META} is malformed; prepare the corpus again")
-    if not isinstance(meta, dict):
-        raise malformed
-    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}.get(meta.get("dtype", "uint8"))
-    if itemsize is None:
-        raise DataError(f"{data_dir / META}: unknown dtype {meta.get('dtype')!r}; prepare the corpus again")
-    try:
-        for split in SPLITS:
-            for shard in meta["shards"][split]:
-                name, tokens = shard["file"], shard["tokens"]
-                if not (isinstance(name, str) and Path(name).name == name and isinstance(tokens, int)):
-                    raise malformed  # only plain file names beside meta.json: nothing read outside data.dir
-                path = data_dir / name
-                if not path.is_file():
-                    raise DataError(f"{path} is missing; prepare the corpus again")
-                if path.stat().st_size != tokens * itemsize:
-                    raise DataError(
-                        f"{path} holds {path.stat().st_size} bytes, meta.json says "
-                        f"{tokens} tokens of {itemsize} byte(s); prepare again"
-                    )
-    except (KeyError, TypeError, AttributeError):
-        raise malformed from None
+    """The corpus's meta.json, validated (data/meta.py; legacy ones in today's form) and checked against the
+    sizes of the shard files beside it. Their bytes are data/verify.py's (read once per process)."""
+    meta = read_meta_file(data_dir)
+    itemsize = ITEMSIZE[meta["dtype"]]
+    for split in SPLITS:
+        for shard in meta["shards"][split]:
+            path, tokens = data_dir / shard["file"], shard["tokens"]  # plain names (the schema): inside data.dir
+            if not path.is_file():
+                what = "is not a regular file" if path.exists() else "is missing"
+                raise DataError(f"{path} {what}; prepare the corpus again")
+            if path.stat().st_size != tokens * itemsize:
+                raise DataError(
+                    f"{path} holds {path.stat().st_size} bytes, meta.json says "
+                    f"{tokens} tokens of {itemsize} byte(s); prepare again"
+                )
     return meta

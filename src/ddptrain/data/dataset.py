@@ -1,7 +1,9 @@
 """Memory-mapped token dataset: sample i is the i-th non-overlapping window of block_size + 1 tokens.
 
 A split's shards are read as one sequence (shards.TokenSequence), so a window may span two shards
-and the sample ids do not depend on how the corpus was cut into shards.
+and the sample ids do not depend on how the corpus was cut into shards. Loading checks meta.json
+and the shards' sizes; their bytes are verified by whoever trains or evaluates on them
+(data/verify.py, called from the data identity and `ddptrain eval`), once per process.
 """
 
 from __future__ import annotations

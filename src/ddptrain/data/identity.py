@@ -4,7 +4,9 @@ Each node reads its own `data.dir` (or builds the user's datasets itself), so tw
 handed different data without noticing: a wrapper choosing `data.dir` per node, nodes whose
 Python versions give different default corpora. The global sampler then silently skips and
 repeats samples. At start every rank describes its data; all ranks compare the descriptions
-and a mismatch stops every rank with exit 2, naming the hosts and what differs.
+and a mismatch stops every rank with exit 2, naming the hosts and what differs. A prepared
+corpus is described after its bytes were verified against its meta.json (data/verify.py); a rank
+whose shards fail that stops every rank, with the shard's line and the rank that found it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddptrain.data.corpus import corpus_fingerprint, read_meta
+from ddptrain.data.verify import verify_corpus
 from ddptrain.dist import DistContext, all_gather_object
 from ddptrain.errors import DataError
 
@@ -29,16 +32,23 @@ _PROBES = (0.0, 0.5, 1.0)
 
 
 def corpus_identity(data_dir: Path) -> dict[str, Any]:
-    """A prepared corpus: its SHA-256 (of the source bytes), token counts and tokenizer."""
+    """A prepared corpus: its SHA-256 (of the shards' hashes), token counts and tokenizer, after its bytes were
+    verified against meta.json (data/verify.py); `bad_data` says why they are not (None when they are)."""
     meta = read_meta(data_dir)
-    tokenizer = meta.get("tokenizer") or {}
+    try:
+        verify_corpus(data_dir, meta)
+        bad_data = None
+    except DataError as e:  # told to every rank by the identity exchange: all of them stop with this line
+        bad_data = str(e)
+    tokenizer = meta["tokenizer"]
     return {
         "sha256": corpus_fingerprint(meta),
         "train_tokens": meta["train_tokens"],
         "val_tokens": meta["val_tokens"],
-        "tokenizer": f"{tokenizer.get('kind', 'bytes')}/{meta.get('dtype', 'uint8')}",
-        "tokenizer_sha256": tokenizer.get("sha256"),
-        "vocab_size": meta.get("vocab_size"),
+        "tokenizer": f"{tokenizer['kind']}/{meta['dtype']}",
+        "tokenizer_sha256": tokenizer["sha256"],
+        "vocab_size": meta["vocab_size"],
+        "bad_data": bad_data,
     }
 
 
@@ -70,13 +80,21 @@ def agree_on_data(ctx: DistContext, identity: dict[str, Any]) -> None:
 
 
 def check_same_data(every: list[dict[str, Any]], hosts: tuple[str, ...]) -> None:
-    """DataError naming the first rank whose data differs from rank 0's, its host and the differing keys."""
+    """DataError naming the first rank whose data failed its own check (`bad_data`), else the first whose data
+    differs from rank 0's, its host and the differing keys."""
+    hosts = hosts if len(hosts) == len(every) else tuple("?" for _ in every)
+    bad = [rank for rank, identity in enumerate(every) if identity.get("bad_data")]
+    if bad:
+        line = every[bad[0]]["bad_data"]
+        if len(every) > 1:  # which rank found it: on a shared filesystem every rank, else that node's copy
+            who = "every rank" if len(bad) == len(every) else f"rank {bad[0]} ({hosts[bad[0]]})"
+            line = f"{who}: {line}"
+        raise DataError(line)
     differing = [rank for rank, other in enumerate(every) if other != every[0]]
     if not differing:
         return
     first = differing[0]
     keys = sorted(k for k in set(every[0]) | set(every[first]) if every[0].get(k) != every[first].get(k))
-    hosts = hosts if len(hosts) == len(every) else tuple("?" for _ in every)
     detail = "; ".join(
         f"{k}: {every[0].get(k)!r} on rank 0 ({hosts[0]}) vs {every[first].get(k)!r} on rank {first} ({hosts[first]})"
         for k in keys

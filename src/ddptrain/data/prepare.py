@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ddptrain.data.publish import META, PREPARE_WAIT_S, PrepareLock, read_recipe
+from ddptrain.data.meta import FORMAT, META, parse_meta, read_meta_file
+from ddptrain.data.publish import PREPARE_WAIT_S, PrepareLock, read_recipe
 from ddptrain.data.shards import ShardWriter
 from ddptrain.data.sources import Task, iter_documents, plan_tasks, read_documents
 from ddptrain.data.tokenizer import (
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26
 DEFAULT_TASK_BYTES = 1 << 20
+_FORCE_HINT = "prepare into a new or empty folder, move them away, or run `ddptrain prepare --out {out} --force`"
 # OS errors that are the user's folder or disk, not this prepare's doing: they stay OSErrors (exit 2).
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 
@@ -71,8 +73,8 @@ class CorpusInfo:
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes; and how long to
-    wait for another preparer of the same folder (publish.py)."""
+    """How to prepare: tokenizer, JSON Lines field, worker processes, shard and task sizes; how long to wait for
+    another preparer of the same folder, and whether to prepare into a folder holding others' files (publish.py)."""
 
     tokenizer: str = "bytes"
     jsonl_field: str = "text"
@@ -80,6 +82,7 @@ class PrepareOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     task_bytes: int = DEFAULT_TASK_BYTES
     wait_s: float = PREPARE_WAIT_S
+    force: bool = False  # prepare into a folder holding files no prepare wrote (replacing those of its names)
 
 
 # ---- worker processes -------------------------------------------------------------------------
@@ -176,8 +179,9 @@ def prepare_corpus(
     Holds out_dir's prepare lock, waiting up to opts.wait_s for another preparer (and saying so through
     say); Contention (exit 1) when that runs out. Under the lock, the corpus already in out_dir is
     kept when reuse(out_dir) is true; without reuse, when this call waited for another preparer and
-    that one prepared the same recipe (recipe_of). Otherwise the corpus is written into a private
-    folder and published into out_dir with meta.json last (publish.py).
+    that one prepared the same recipe (recipe_of). Otherwise, DataError when out_dir holds files no
+    prepare wrote (unless opts.force); else the corpus is written into a private folder and published
+    into out_dir with meta.json last (publish.py).
     """
     opts = options or PrepareOptions()
     if not sources:
@@ -189,6 +193,8 @@ def prepare_corpus(
         with PrepareLock(out_dir, opts.wait_s, say) as lock:
             if reuse(out_dir) if reuse is not None else (lock.waited and read_recipe(out_dir) == recipe):
                 return _info_of(out_dir)
+            if not opts.force:
+                lock.refuse_foreign(_FORCE_HINT.format(out=out_dir))
             lock.private.mkdir()
             info = _prepare_into(sources, lock.private, val_fraction, opts, spec, recipe)
             lock.publish()
@@ -202,18 +208,16 @@ def prepare_corpus(
 
 
 def _info_of(out_dir: Path) -> CorpusInfo:
-    """What the corpus another preparer published into out_dir holds (the one this call reuses)."""
-    meta = json.loads((out_dir / META).read_text())
-    shards = meta.get("shards") or {}
-    count = sum(len(shards.get(s) or []) for s in SPLITS) if shards else 2  # legacy: train.bin, val.bin
+    """What the corpus already in out_dir holds (the one this call reuses: reuse() or the recipe vouched for it)."""
+    meta = read_meta_file(out_dir)
     return CorpusInfo(
         out_dir,
-        int(meta.get("files", 0)),
-        int(meta["train_tokens"]),
-        int(meta["val_tokens"]),
-        int(meta.get("documents", 0)),
-        int(meta.get("vocab_size", 256)),
-        count,
+        meta["files"],
+        meta["train_tokens"],
+        meta["val_tokens"],
+        meta.get("documents", 0),
+        meta["vocab_size"],
+        sum(len(meta["shards"][s]) for s in SPLITS),
         reused=True,
     )
 
@@ -240,7 +244,7 @@ def _prepare_into(
             "need at least ~8 KB of text"
         )
     meta = {
-        "format": 2,
+        "format": FORMAT,
         "tokenizer": {
             "kind": spec.kind,
             "file": TOKENIZER_FILE if tokenizer.hf is not None else None,
@@ -258,8 +262,10 @@ def _prepare_into(
         "shards": shards,
         "recipe": recipe,
     }
+    raw = json.dumps(meta, indent=1).encode()
+    parse_meta(raw, folder / META)  # what readers check, checked here first: nothing is published they refuse
     with open_new_no_follow(folder / META) as f:  # folder is the preparer's fresh private one
-        f.write(json.dumps(meta, indent=1).encode())
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     return CorpusInfo(

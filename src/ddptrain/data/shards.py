@@ -30,6 +30,7 @@ class ShardWriter:
         self._tmp: Path | None = None
         self._hash = hashlib.sha256()
         self._filled = 0
+        self._max = 0
 
     @property
     def tokens(self) -> int:
@@ -44,6 +45,8 @@ class ShardWriter:
                 self._open()
             take = min(len(tokens), self.shard_tokens - self._filled)
             data = tokens[:take].tobytes()
+            if take:  # recorded in meta.json: the range check at load reads this, not the shard
+                self._max = max(self._max, int(tokens[:take].max()))
             self._file.write(data)
             self._hash.update(data)
             self._filled += take
@@ -52,7 +55,7 @@ class ShardWriter:
                 self._close()
 
     def finish(self) -> list[dict[str, Any]]:
-        """Close the last (partial) shard; the list of shards with their token counts and SHA-256."""
+        """Close the last (partial) shard; the list of shards with their token counts, SHA-256 and largest id."""
         if self._file is not None and self._filled:
             self._close()
         elif self._file is not None:
@@ -68,6 +71,7 @@ class ShardWriter:
         self._file = open(self._tmp, "wb")
         self._hash = hashlib.sha256()
         self._filled = 0
+        self._max = 0
 
     def _close(self) -> None:
         assert self._tmp is not None
@@ -76,7 +80,8 @@ class ShardWriter:
         self._file.close()
         name = shard_name(self.split, len(self.shards))
         os.replace(self._tmp, self.out_dir / name)
-        self.shards.append({"file": name, "tokens": self._filled, "sha256": self._hash.hexdigest()})
+        shard = {"file": name, "tokens": self._filled, "sha256": self._hash.hexdigest(), "max_token_id": self._max}
+        self.shards.append(shard)
         self._file, self._tmp, self._filled = None, None, 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ddptrain.data.meta import MAX_VOCAB
 from ddptrain.errors import ConfigError, DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -63,8 +64,10 @@ class TokenizerSpec:
             return TokenizerSpec("bytes")
         if text.startswith("train:"):
             raw = text.removeprefix("train:")
-            if not raw.isdigit() or not 257 <= int(raw) <= 2**32:
-                raise ConfigError(f"--tokenizer {text!r}: VOCAB must be an integer from 257 to 2**32 (e.g. train:8192)")
+            if not raw.isdigit() or not 257 <= int(raw) <= MAX_VOCAB:
+                raise ConfigError(
+                    f"--tokenizer {text!r}: VOCAB must be an integer from 257 to {MAX_VOCAB} (2**24; e.g. train:8192)"
+                )
             return TokenizerSpec("train", vocab_size=int(raw))
         path = Path(text)
         if path.is_dir():
@@ -123,7 +126,10 @@ def load_tokenizer_file(path: Path) -> Tokenizer:
         if not specials:
             raise DataError(f"tokenizer {path} has no special token to separate documents (add {EOS_TOKEN!r})")
         eos_id = hf.token_to_id(specials[-1].content)
-    return Tokenizer(hf, hf.get_vocab_size(with_added_tokens=True), eos_id)
+    vocab_size = hf.get_vocab_size(with_added_tokens=True)
+    if vocab_size > MAX_VOCAB:  # what meta.json may declare (data/meta.py says why)
+        raise DataError(f"tokenizer {path} has {vocab_size} tokens, more than the {MAX_VOCAB} a corpus may have")
+    return Tokenizer(hf, vocab_size, eos_id)
 
 
 def train_bpe(docs: Iterable[bytes], vocab_size: int, out: Path) -> Path:
