@@ -49,6 +49,7 @@ from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
+from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
@@ -58,6 +59,7 @@ DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
 def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
     """Train per the config on this process's share of the job; returns the exit code."""
+    hold_until_exit()  # this process ends with the run: a late signal must not replace the first one's exit code
     result = run.train(config, overrides=overrides)
     return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
 
@@ -430,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
+        settle_for_exit()  # after a stop signal the exit code is decided: a later one must not cut the exit short
         # A reader that went away (`| tee` ended by the same Ctrl-C) must not turn the exit code into 120.
         streams.flush_standard_streams()
 
@@ -452,8 +455,12 @@ def _main(argv: Sequence[str] | None) -> int:
         _error_line(args.command, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return EXIT_USAGE
     except KeyboardInterrupt:
-        _error_line(args.command, "interrupted (Ctrl-C)")
-        return EXIT_INTERRUPTED
+        decided = decided_stop()  # a Ctrl-C while a stop closes the run: the first signal's code stays
+        if decided is None:
+            _error_line(args.command, "interrupted (Ctrl-C)")
+            return EXIT_INTERRUPTED
+        _error_line(args.command, f"quit at once on Ctrl-C while stopping for {decided[0]} (exit {decided[1]})")
+        return decided[1]
 
 
 # OS errors caused by the user's paths, permissions or disk, not by ddptrain: exit 2 in one line.

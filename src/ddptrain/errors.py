@@ -3,8 +3,10 @@
     DdptrainError            1   a failure (the base; RankFailure and TrainingStopped are failures)
       UserError              2   bad input: config, environment, data, checkpoints, paths (one line)
       Contention             1   another process holds (or took over) a lock this one needs: retry, not bad input
+      LeaseLost             73   another run took the run folder's lease: stopped, nothing more written
       Preempted             75   stopped on request after committing a checkpoint (EX_TEMPFAIL)
       Interrupted          130   Ctrl-C
+      QuitAtOnce       75/130   a Ctrl-C during a stop quit at once: the first stop signal's code
 The CLI maps exceptions to exit codes in one place (`cli.main`) by reading `exit_code`.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_LEASE_LOST = 73  # EX_CANTCREAT from sysexits.h: the output (the run folder) is no longer this run's
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "stopped early, resumable"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
@@ -92,3 +95,38 @@ class Interrupted(DdptrainError):
         super().__init__(f"interrupted at step {step} ({signal_name or 'Ctrl-C on another rank'})")
         self.step = step
         self.signal_name = signal_name
+
+
+class LeaseLost(DdptrainError):
+    """Another run took the run folder's lease: every rank stops at once, writing nothing more there (exit 73).
+
+    Not resumable by running again (the folder is the other run's now) and not bad input: never restarted.
+    new_owner: who holds the lease now (rank 0 read it); None on the ranks that learned it from rank 0.
+    """
+
+    exit_code = EXIT_LEASE_LOST
+
+    def __init__(self, run_dir: str, step: int, new_owner: str | None) -> None:
+        who = f"; it now belongs to {new_owner}" if new_owner else " (rank 0 read who took it)"
+        super().__init__(
+            f"another run took the lease on run folder {run_dir}{who}: stopped at step {step} without writing "
+            f"anything more there (no checkpoint, no metrics) (exit {EXIT_LEASE_LOST})"
+        )
+        self.step = step
+        self.new_owner = new_owner
+
+
+class QuitAtOnce(DdptrainError):
+    """A Ctrl-C during a stop: quit without waiting for the step or its checkpoint. The exit code stays the
+    first stop signal's (130 after Ctrl-C, 75 after SIGTERM/SIGUSR1): a later signal only hurries a stop.
+
+    kind: the ending ("interrupted" or "preempted"); first: the signal that started the stop.
+    """
+
+    def __init__(self, kind: str, first: str, step: int, exit_code: int) -> None:
+        super().__init__(
+            f"{kind} by {first}, then quit at once on Ctrl-C at step {step}: no checkpoint of this step; run the "
+            f"same command again to resume from the newest checkpoint (exit {exit_code})"
+        )
+        self.kind, self.first, self.step = kind, first, step
+        self.exit_code = exit_code

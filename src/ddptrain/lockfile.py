@@ -14,24 +14,55 @@ workers before it starts the next), or when its heartbeat is older than STALE_S 
 clocks must agree within that). Only one process may break a stale lock: it first takes
 `NAME.break` the same way, re-reads the lock and replaces it only if it is still the stale one it
 judged.
+
+A lock file that names no owner that can be checked (unreadable, not JSON, a field of the wrong type:
+`pid: "abc"`) is `UnreadableLock`. Our own writes never leave one (the file is always replaced whole).
+`breaks_unreadable` says what a taker does with it: the prepare lock breaks it once a few seconds old,
+the run lease refuses it (checkpoint/lease.py).
+
+The holder's heartbeat thread also watches the lock: when the file names another owner (this
+process stalled, was judged dead and the lock was taken over) or is gone (another process may have
+taken it and released it between two heartbeats), `lost` is set to who took it and the callbacks
+given to `when_lost` run once, on that thread; it never writes the lock again. An unreadable lock
+file is not a loss: nobody can prove it is theirs either.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ddptrain.safe_files import open_new_no_follow, read_bytes_no_follow
 
 HEARTBEAT_S = 10.0
 STALE_S = 90.0
 _BREAK_STALE_S = 30.0  # a breaker that died mid-takeover leaves NAME.break this old at most
+_MAX_BYTES = 1 << 16
+_MAX_PID = 2**31 - 1  # os.kill takes a C int (Linux pids stay below 2**22)
+_FIELDS: dict[str, type] = {
+    "host": str,
+    "pid": int,
+    "pid_ns": str,
+    "start": str,
+    "job": str,
+    "token": str,
+    "taken": float,
+    "heartbeat": float,
+}
+
+
+class UnreadableLock(Exception):
+    """A lock file that exists but names no owner that can be checked; the message says why."""
 
 
 @dataclass
@@ -48,9 +79,23 @@ class Owner:
     heartbeat: float
 
     def describe(self) -> str:
-        """`pid P on HOST (job J), heartbeat Ns ago`."""
-        job = f", job {self.job}" if self.job else ""
-        return f"pid {self.pid} on {self.host}{job}, heartbeat {max(0.0, time.time() - self.heartbeat):.0f}s ago"
+        """`pid P on HOST (job J), heartbeat Ns ago` (or `Ns in the future (clock skew?)`)."""
+        job = f", job {_printable(self.job)}" if self.job else ""
+        return f"pid {self.pid} on {_printable(self.host)}{job}, heartbeat {heartbeat_age(self.heartbeat)}"
+
+
+def heartbeat_age(heartbeat: float, now: float | None = None) -> str:
+    """`12s ago`, or for a time ahead of this host's clock `12s in the future (clock skew?)`."""
+    age = (time.time() if now is None else now) - heartbeat
+    if age <= -0.5:  # another host's clock runs ahead of ours (or the file was edited)
+        return f"{-age:.0f}s in the future (clock skew?)"
+    return f"{max(0.0, age):.0f}s ago"
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    """A name from a lock file as it may appear in one line: control characters escaped, length bounded."""
+    shown = text if text.isprintable() else repr(text)[1:-1]
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def _proc_start(pid: int) -> str:
@@ -93,12 +138,60 @@ def me() -> Owner:
     )
 
 
-def read_owner(path: Path) -> Owner | None:
-    """The owner recorded in a lock file; None when it is missing or unreadable (a half-written one)."""
+def load_owner(path: Path) -> Owner | None:
+    """The owner recorded in a lock file; None when there is none; UnreadableLock saying why it cannot be read."""
     try:
-        raw = json.loads(read_bytes_no_follow(path, 1 << 16).decode())
-        return Owner(**{k: raw[k] for k in Owner.__dataclass_fields__})
-    except (OSError, ValueError, KeyError, TypeError):
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a link is never followed
+            raise UnreadableLock("is not a regular file")
+        data = read_bytes_no_follow(path, _MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UnreadableLock(f"cannot be read ({e.strerror or e})") from None
+    if len(data) > _MAX_BYTES:
+        raise UnreadableLock(f"is larger than {_MAX_BYTES} bytes")
+    try:
+        raw = json.loads(data.decode())
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
+        raise UnreadableLock("is not valid JSON") from None
+    return _owner_from(raw)
+
+
+def _owner_from(raw: Any) -> Owner:
+    """An Owner from the decoded JSON, every field of its type (a string pid would reach os.kill)."""
+    if not isinstance(raw, dict):
+        raise UnreadableLock("is not a JSON object")
+    values: dict[str, Any] = {}
+    for name, kind in _FIELDS.items():
+        if name not in raw:
+            raise UnreadableLock(f"has no {name!r}")
+        value = raw[name]
+        if kind is str:
+            ok = isinstance(value, str)
+        elif kind is int:
+            ok = type(value) is int and 1 <= value <= _MAX_PID
+        else:
+            ok = type(value) in (int, float) and abs(value) < 1e15 and math.isfinite(value)
+        if not ok:
+            raise UnreadableLock(f"has {name}: {_shown(value)}, not a valid {name}")
+        values[name] = float(value) if kind is float else value
+    return Owner(**values)
+
+
+def _shown(value: Any) -> str:
+    """A JSON value in a message: a scalar as written, bounded; a list or object by its kind."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return _printable(json.dumps(value)[:60], 60)
+
+
+def read_owner(path: Path) -> Owner | None:
+    """The owner recorded in a lock file; None when it is missing or unreadable (see load_owner)."""
+    try:
+        return load_owner(path)
+    except UnreadableLock:
         return None
 
 
@@ -136,7 +229,13 @@ def _publish(folder: Path, owner: Owner, name: str, private_name: str) -> bool:
 
 
 class LockFile:
-    """The lock folder/name, held by this process from a successful attempt() to release()."""
+    """The lock folder/name, held by this process from a successful attempt() to release().
+
+    breaks_unreadable: an unreadable lock file older than a few seconds is broken like a stale one
+    (the prepare lock); False: attempt() raises UnreadableLock instead (the run lease, checkpoint/lease.py).
+    """
+
+    breaks_unreadable = True
 
     def __init__(self, folder: Path, name: str) -> None:
         self.folder = folder
@@ -144,6 +243,9 @@ class LockFile:
         self.path = folder / name
         self.owner = me()
         self.took_over: Owner | None = None  # the dead owner whose stale lock this one replaced
+        self.lost: str | None = None  # who took this lock from this process, described (heartbeat thread)
+        self._on_lost: list[Callable[[str], None]] = []
+        self._lost_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -154,7 +256,12 @@ class LockFile:
             self._thread = threading.Thread(target=self._beat, name=f"{self.name}-heartbeat", daemon=True)
             self._thread.start()
             return True, None
-        holder = read_owner(self.path)
+        try:
+            holder = load_owner(self.path)
+        except UnreadableLock:
+            if not self.breaks_unreadable:
+                raise
+            holder = None
         if holder is not None and is_alive(holder):
             return False, holder
         if holder is None and self.path.exists() and time.time() - self.path.stat().st_mtime < 5:
@@ -162,6 +269,45 @@ class LockFile:
             return False, None
         self._break(holder)
         return False, None
+
+    def when_lost(self, callback: Callable[[str], None]) -> None:
+        """Call callback(who took it) once when this lock is seen taken (at once if it already was)."""
+        with self._lost_lock:
+            lost = self.lost
+            if lost is None:
+                self._on_lost.append(callback)
+        if lost is not None:
+            callback(lost)
+
+    def taken_by(self) -> str | None:
+        """Read the lock now: who took it from this process (described), or None while it is still ours (or
+        unreadable: nothing proves it is another's; or released: then it is not this process's to check)."""
+        if self.lost is None and self._thread is not None:
+            self._check()
+        return self.lost
+
+    def _check(self) -> Owner | None:
+        """The lock's owner when it is still this process's (else None, and `lost` says who took it)."""
+        try:
+            current = load_owner(self.path)
+        except UnreadableLock:
+            return None
+        if current is None:
+            self._lose(f"nobody now: {self.path} was removed (another run may have taken it and ended)")
+        elif current.token != self.owner.token:
+            self._lose(current.describe())
+        else:
+            return current
+        return None
+
+    def _lose(self, who: str) -> None:
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = who
+            callbacks, self._on_lost = self._on_lost, []
+        for callback in callbacks:
+            callback(who)
 
     def held(self) -> bool:
         """Whether the lock file still names this process (a stalled owner may have been judged dead)."""
@@ -179,7 +325,12 @@ class LockFile:
                 time.sleep(0.2)
             return
         try:
-            current = read_owner(self.path)
+            try:
+                current = load_owner(self.path)
+            except UnreadableLock:
+                if not self.breaks_unreadable:
+                    return  # replaced by an unreadable file meanwhile: refused, never broken
+                current = None
             if (current is None and stale is None) or (current and stale and current.token == stale.token):
                 self.path.unlink(missing_ok=True)
                 self.took_over = stale
@@ -188,17 +339,25 @@ class LockFile:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            if not self.held():
+            if not self._renew():
                 return  # lost (taken over after a long stall): never overwrite another's lock
-            self.owner.heartbeat = time.time()
-            replacement = self.folder / f"{self.name}.{self.owner.token}.beat"
-            try:
-                replacement.unlink(missing_ok=True)
-                with open_new_no_follow(replacement) as f:
-                    f.write(json.dumps(asdict(self.owner)).encode())
-                os.replace(replacement, self.path)
-            except OSError:
-                pass  # a full disk: the heartbeat ages, which other hosts read as a stall, never as ours to lose
+
+    def _renew(self) -> bool:
+        """One heartbeat; False once the lock is lost (then `lost` says to whom)."""
+        if self._check() is None:
+            return self.lost is None  # unreadable: nobody can prove it is theirs either; beat again later
+        self.owner.heartbeat = time.time()
+        replacement = self.folder / f"{self.name}.{self.owner.token}.beat"
+        try:
+            replacement.unlink(missing_ok=True)
+            with open_new_no_follow(replacement) as f:
+                f.write(json.dumps(asdict(self.owner)).encode())
+                f.flush()
+                os.fsync(f.fileno())  # a crash right after the rename must not leave an empty lock file
+            os.replace(replacement, self.path)
+        except OSError:
+            pass  # a full disk: the heartbeat ages, which other hosts read as a stall, never as ours to lose
+        return True
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still this process's."""

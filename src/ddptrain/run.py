@@ -51,11 +51,11 @@ from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, r
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
 from ddptrain.errors import (
-    EXIT_INTERRUPTED,
     CheckpointSaveError,
     DataError,
     DdptrainError,
     Interrupted,
+    LeaseLost,
     NonFiniteError,
     Preempted,
     UserError,
@@ -65,7 +65,7 @@ from ddptrain.observe.endings import end_record
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
-from ddptrain.observe.runlog import run_logging
+from ddptrain.observe.runlog import run_logging, stop_rank_files
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
@@ -116,9 +116,13 @@ class Run:
         trainer, ctx = self.trainer, self.ctx
         if trainer.step >= self.cfg.train.max_steps:
             log.info("nothing to do: already at step %d (train.max_steps=%d)", trainer.step, self.cfg.train.max_steps)
-        stop = StopRequest(announce=ctx.is_main).install()
+        lost_to = self.lease.lost_to if self.lease is not None else None
+        stop = StopRequest(announce=ctx.is_main, lease_lost=lost_to).install()
         try:
             trainer.fit(stop_request=stop, watchdog=self.triage, timeline=self.timeline)
+        except LeaseLost:
+            self.abandon_folder()  # the other ranks learn it here; rank 0 already stopped writing
+            raise
         except (Preempted, Interrupted) as e:
             status = "preempted" if isinstance(e, Preempted) else "interrupted"
             self.progress.close()
@@ -133,9 +137,10 @@ class Run:
         except UserError as e:
             self._end("stopped", e.exit_code, reason=str(e))
             raise  # stops every rank agreed on: nothing to triage
-        except KeyboardInterrupt:  # a second Ctrl-C: quit at once, without a checkpoint
-            self._end("interrupted", EXIT_INTERRUPTED, signal="SIGINT", checkpoint=False)
-            raise
+        except KeyboardInterrupt:  # a Ctrl-C during a stop: quit at once, without a checkpoint
+            quit_now = stop.quit_at_once(trainer.step)  # the first stop signal's ending and exit code
+            self._end(quit_now.kind, quit_now.exit_code, signal=quit_now.first, checkpoint=False)
+            raise quit_now from None
         except Exception as e:
             failure = self.triage.failed(e, trainer.step + 1)
             self._end("crashed", failure.exit_code, error=str(failure)[:1000])
@@ -175,15 +180,25 @@ class Run:
         t = self.trainer
         return RunResult(status, t.step, t.last_loss, t.last_val_loss, self.cfg.run_dir)
 
+    def abandon_folder(self, new_owner: str | None = None) -> None:
+        """Another run took the folder's lease (rank 0's heartbeat thread calls this the moment it sees it):
+        nothing more of this run reaches the folder: no metrics, trackers, certificate or log lines."""
+        self.metrics.enabled = False
+        self.metrics.sinks = []  # dropped unflushed: a tracker's files (TensorBoard's) may lie in the folder
+        self.trainer.certificate.enabled = False
+        stop_rank_files()
+
     def close(self) -> None:
         """Wait for an in-flight save, stop the watchdog, close the metrics and flush the trackers (every rank)."""
-        self.triage.close()
-        self.checkpointer.wait()
-        self.trainer.certificate.close()
-        self.metrics.close(self.status)
-        self.progress.close()
-        if self.lease is not None:
-            self.lease.release()
+        try:
+            self.triage.close()
+            self.checkpointer.wait()
+            self.trainer.certificate.close()
+            self.metrics.close(self.status)
+            self.progress.close()
+        finally:  # even when a Ctrl-C hurried the close: the next run need not wait for the lease to go stale
+            if self.lease is not None:
+                self.lease.release()
 
 
 def resolve_config(config: ConfigSource, overrides: Sequence[str] = ()) -> Config:
@@ -213,19 +228,19 @@ def build_run(
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
-    lease = take_lease(run_dir, ctx)
+    lease, tag = take_lease(run_dir, ctx)
     try:
-        return _build(cfg, ctx, lease, model, datasets, trainer_cls, timeline)
+        return _build(cfg, ctx, (lease, tag), model, datasets, trainer_cls, timeline)
     except BaseException:
         if lease is not None:
             lease.release()
         raise
 
 
-def take_lease(run_dir: Path, ctx: DistContext) -> RunLease | None:
+def take_lease(run_dir: Path, ctx: DistContext) -> tuple[RunLease | None, str]:
     """Step 2's lease: rank 0 takes run.dir's lease; every rank learns the outcome and a refusal exits 2 on all.
 
-    Returns the lease on rank 0, None elsewhere.
+    Returns the lease on rank 0 (None elsewhere) and its token on every rank (it tags the temp folders).
     """
     lease: RunLease | None = None
     error: str | None = None
@@ -237,27 +252,28 @@ def take_lease(run_dir: Path, ctx: DistContext) -> RunLease | None:
             error = str(e)
         except OSError as e:
             error = f"cannot take the lease on run folder {run_dir}: {e.strerror or e}"
+    token = lease.owner.token if lease is not None else ""
     if ctx.is_distributed:
-        box = [error]
+        box = [(error, token)]
         torch.distributed.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, token = box[0]
     if error is not None:
         raise LeaseHeld(error)
     if lease is not None and lease.took_over is not None:
         log.warning("took over the lease of a run that is gone (%s)", lease.took_over.describe())
-    return lease
+    return lease, token
 
 
 def _build(
     cfg: Config,
     ctx: DistContext,
-    lease: RunLease | None,
+    leased: tuple[RunLease | None, str],
     model: ModelSource,
     datasets: DataSource,
     trainer_cls: type[Trainer],
     timeline: RecoveryTimeline | None,
 ) -> Run:
-    run_dir = cfg.run_dir
+    run_dir, (lease, tag) = cfg.run_dir, leased
     live_data = datasets is not None
     data_vocab = None
     if datasets is None:
@@ -278,13 +294,18 @@ def _build(
     config = cfg.model_dump(mode="json", by_alias=True)
     # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
     writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
-    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer)
+    lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
+    checkpointer = Checkpointer(
+        cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer, tag, lost
+    )
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()
     triage = Triage(ctx, run_dir, cfg.dist.timeout_s, Budgets.from_config(cfg), metrics.write)
     triage.setup()
     run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease, timeline)
+    if lease is not None:
+        lease.when_lost(run.abandon_folder)  # on the heartbeat thread: rank 0 stops writing at once
     try:
         _resume(run)
         if ctx.is_main:  # only now: a refused run (exit 2) leaves the folder's config.yaml as it was

@@ -4,6 +4,7 @@ and running the same command again resumes bit-exactly. A second Ctrl-C quits at
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -141,5 +142,33 @@ def test_a_second_ctrl_c_quits_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - sent < 8, "the second Ctrl-C waited for the step"
     assert not committed_checkpoints(run_dir / "checkpoints")  # quit, not stopped: nothing was saved
     text = (tmp_path / "log").read_text()
-    assert "Ctrl-C again to quit at once" in text and "ddptrain train: error: interrupted (Ctrl-C)" in text
+    assert "Ctrl-C again to quit at once" in text
+    assert "ddptrain train: error: interrupted by SIGINT, then quit at once on Ctrl-C at step" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("launch", [False, True], ids=["train", "launch-2-workers"])
+@pytest.mark.parametrize(("first", "second", "code"), [("SIGINT", "SIGTERM", 130), ("SIGTERM", "SIGINT", 75)])
+@pytest.mark.timeout(240)
+def test_the_first_stop_signal_decides_the_exit_code(
+    tmp_path: Path, first: str, second: str, code: int, launch: bool
+) -> None:
+    """Issue 24, item 9: a second stop signal 0.2 s after the first (while the stop runs, or the run closes, or
+    the interpreter exits) never rewrites the exit code: exit code == every "(exit N)" printed == the first's."""
+    run_dir = tmp_path / "run"
+    launcher = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "30", "--"] if launch else []
+    log = tmp_path / "log"
+    proc = start([*launcher, "train", *TOY, "train.max_steps=1000", "model.kwargs.step_sleep=0.05",
+                  f"run.dir={run_dir}"], log)
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(getattr(signal, first))
+    time.sleep(0.2)  # the issue's 0.05-0.5 s
+    proc.send_signal(getattr(signal, second))
+    assert proc.wait(90) == code, log.read_text()[-3000:]
+    text = log.read_text()
+    assert set(re.findall(r"\(exit (\d+)\)", text)) == {str(code)}, text[-3000:]
+    assert "Traceback" not in text
+    if launch:
+        assert f"ddptrain launch: stopped by {first};" in text
+    [*_, ending] = [r for r in read_metrics(run_dir, "event") if r["event"] in ("interrupted", "preempted")]
+    assert (ending["exit_code"], ending["signal"]) == (code, first)

@@ -110,7 +110,7 @@ def test_sigkill_during_checkpoint_write(corpus_dir: Path, tmp_path: Path) -> No
     seen_tmp = None
     # Kill at the first moment a temporary folder of the second save (step 4) exists.
     while time.monotonic() < deadline and proc.poll() is None:
-        tmp = list(ckpt_dir.glob(".tmp-step-00000004")) if ckpt_dir.exists() else []
+        tmp = list(ckpt_dir.glob(".tmp-step-00000004.*")) if ckpt_dir.exists() else []
         if tmp:
             proc.send_signal(signal.SIGKILL)
             seen_tmp = tmp[0]

@@ -20,10 +20,12 @@ torch.distributed.checkpoint, in the same temp folder and under the same protoco
 
 Checkpoints of the older `rank0-torch` writer (model.pt, optimizer.pt, trainer.pt by rank 0) load too.
 
-The protocol: every rank writes its files as new files under a new `.tmp-step-00000100/` (never
-through an existing name or link) and fsyncs them; the ranks agree (one all-gather) whether every
-write succeeded; only then rank 0 writes the manifest, fsyncs the folder, renames it to
-`step-00000100` (atomic on POSIX) and fsyncs the parent. A crash at any point leaves either the
+The protocol: every rank writes its files as new files under a new `.tmp-step-00000100.<tag>/`
+(never through an existing name or link; the tag is the run's lease token, so two runs never share
+a temp folder) and fsyncs them; the ranks agree (one all-gather) whether every write succeeded;
+only then rank 0 re-reads the run folder's lease (a run whose lease was taken commits nothing),
+writes the manifest, fsyncs the folder, renames it to `step-00000100` (atomic on POSIX) and fsyncs
+the parent. A crash at any point leaves either the
 old set of committed checkpoints or the new one. Pruning follows a commit and touches only the
 current timeline (store.py). Resume verifies and reads in one pass (verify.py), checks the config
 (compat.py), and moves checkpoints newer than its starting point into checkpoints/archive/.
@@ -69,7 +71,9 @@ class Checkpointer:
     """Saves and finds checkpoints for one run; all ranks call setup(), then find_resume() and save() together.
 
     config: the resolved config (stored in every manifest, compared at resume). identity: what resume
-    must agree with beyond the config (compat.run_identity); None skips those checks.
+    must agree with beyond the config (compat.run_identity); None skips those checks. tag: names this
+    run's temp folders (the lease token, the same on every rank). lease_lost: rank 0 reads the lease
+    before each commit; it returns who took it, or None while it is this run's.
     """
 
     def __init__(
@@ -80,8 +84,11 @@ class Checkpointer:
         config: dict[str, Any],
         identity: dict[str, Any] | None = None,
         writer: CheckpointWriter | None = None,
+        tag: str = "",
+        lease_lost: Callable[[], str | None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.tag, self._lease_lost = tag, lease_lost
         self.dir = run_dir / "checkpoints"
         self.ctx = ctx
         self.config = config
@@ -95,9 +102,13 @@ class Checkpointer:
         self._known_good: set[str] = set()  # folders this process committed or verified (rank 0)
 
     def setup(self) -> None:
-        """All ranks together: the checkpoint's own process group; rank 0 removes stale temp folders.
+        """All ranks together: the checkpoint's own process group; rank 0 removes the other runs' temp folders.
 
-        Run under the run folder's lease (run.build_run): no other live run writes temp folders here.
+        Run under the run folder's lease (run.build_run): every other tag belongs to a run that no longer
+        holds it: one that released it (its saves were over), or one judged dead by the lease's rule (its
+        pid gone on this host, its heartbeat stale, an earlier round of this job), which, if it is in fact
+        still running, commits nothing from then on (its commit re-reads the lease) and writes only into
+        its own temp folder.
         """
         # Saves coordinate on a gloo group of their own: an async save's collectives run in a
         # background thread and must never interleave with the training loop's.
@@ -108,6 +119,8 @@ class Checkpointer:
             bind(self._group)
         if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
             for stale in self.dir.glob(f"{TMP_PREFIX}*"):
+                if self.tag and stale.name.endswith(f".{self.tag}"):
+                    continue  # this run's own (none yet at start)
                 if stale.is_symlink() or not stale.is_dir():
                     stale.unlink()  # a planted link: remove the link, never what it points at
                 else:
@@ -180,7 +193,7 @@ class Checkpointer:
                 raise OSError(17, "the temp folder exists already (another writer?)", str(tmp)) from None
 
     def _write_and_commit(self, step: int, shared: dict[str, Any], local: dict[str, Any], t0: float) -> SaveResult:
-        tmp = self.dir / f"{TMP_PREFIX}{step:08d}"
+        tmp = self.dir / (f"{TMP_PREFIX}{step:08d}" + (f".{self.tag}" if self.tag else ""))
         final = self.dir / checkpoint_name(step)
         error: str | None = None
         entries: dict[str, FileEntry] = {}
@@ -193,12 +206,16 @@ class Checkpointer:
         results = self._agree((error, entries))
         errors = [e for e, _ in results if e]
         committed_error: str | None = "; ".join(errors) if errors else None
+        lost: str | None = None
         if self.ctx.is_main:
-            if committed_error is None:
+            lost = self._lease_lost() if self._lease_lost is not None else None
+            if lost is not None:
+                committed_error = f"another run took the run folder's lease ({lost})"
+            elif committed_error is None:
                 committed_error = self._commit(step, tmp, final, results)
             if committed_error is not None and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
-        committed_error = self._broadcast(committed_error)
+                shutil.rmtree(tmp, ignore_errors=True)  # our own temp folder (its tag is ours): debris to nobody
+        committed_error, lost = self._broadcast((committed_error, lost))
         if committed_error is None and self.ctx.is_main:
             self._known_good.add(final.name)
             prune(self.dir, self.timeline, step, self.cfg.keep, self._known_good)
@@ -209,6 +226,7 @@ class Checkpointer:
             0.0,
             time.perf_counter() - t0,
             final if committed_error is None else None,
+            lost,
         )
 
     def _commit(
@@ -231,7 +249,7 @@ class Checkpointer:
             return f"rank 0 on {self.ctx.hostname}: {e.strerror or e} while committing {final.name}"
         return None
 
-    def _broadcast(self, value: str | None) -> str | None:
+    def _broadcast(self, value: tuple[str | None, str | None]) -> tuple[str | None, str | None]:
         if self._group is None:
             return value
         box = [value]

@@ -27,6 +27,7 @@ class SaveResult:
     blocked_s: float  # time the training loop waited
     total_s: float  # time until committed (or failed)
     path: Path | None
+    lease_lost: str | None = None  # not committed because another run took the folder's lease: who holds it
 
 
 class SavePolicy:

@@ -9,17 +9,20 @@ The options become a torchrun command line (`--dry-run` prints it) that torchrun
 and `config_from_args` turn into a LaunchConfig; the agent is torchrun's LocalElasticAgent with
 production changes that torchrun's CLI cannot express:
 
-* a worker exit code of 75 (preempted, checkpoint committed), 130 (Ctrl-C, checkpoint committed)
-  or 2 (bad input) ends the job with that code instead of being restarted until the restart
-  budget is gone; a second Ctrl-C while the workers stop is passed on to them (they quit at once);
+* a worker exit code of 75 (preempted, checkpoint committed), 130 (Ctrl-C, checkpoint committed),
+  73 (another run took the run folder's lease) or 2 (bad input) ends the job with that code instead
+  of being restarted until the restart budget is gone;
+* the first stop signal decides: later ones never replace it (a Ctrl-C while the workers stop is
+  passed on to them, and they quit at once keeping the first signal's exit code; others are ignored);
 * the exit barrier (all nodes wait for each other after success) is bounded, 300 s -> 60 s;
 * stopping workers for a restart waits --shutdown-timeout, not a fixed 30 s;
 * every phase that talks to the rendezvous store has a deadline (_StallGuard);
 * each rendezvous round gets a fresh worker store (see torchrun_command).
 
 Exit codes: 0 done, 1 failed (restarts used up, rendezvous failed), 2 bad input (whenever any
-worker exited 2, whatever the others did), 75 preempted and 130 interrupted (run the same command
-again to resume), 128+N killed by signal N before the workers could stop cleanly.
+worker exited 2, whatever the others did), 73 the run folder's lease was taken by another run, 75
+preempted and 130 interrupted (run the same command again to resume), 128+N killed by signal N
+before the workers could stop cleanly.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain import streams
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
-from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
+from ddptrain.errors import EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.etcd_endpoints import (
     ETCD_BACKENDS,
     ETCD_ENV,
@@ -69,7 +72,7 @@ from ddptrain.train.agent_watch import AGENT_PID_ENV, GRACE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # Worker exit codes that a restart cannot fix: end the job with that code right away.
-FINAL_EXIT_CODES = (EXIT_PREEMPTED, EXIT_USAGE, EXIT_INTERRUPTED)
+FINAL_EXIT_CODES = (EXIT_PREEMPTED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_LEASE_LOST)
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LOOPBACK = "127.0.0.1"
 ETCD_READ_TIMEOUT_S = 10  # per etcd request, below the dynamic rendezvous' keep-alive expiry (15 s)
@@ -384,6 +387,8 @@ class _Agent(LocalElasticAgent):
         # The recovery timeline's agent side (observe/recovery.py): set from the failure seen to
         # the new workers' spawn, handed to them in AGENT_MARKS_ENV.
         self.recovery_marks: dict[str, float] = {}
+        self.stop_signal: signal.Signals | None = None  # the first stop signal: it decides (see _first_signal)
+        self.hurried = False  # a later Ctrl-C was passed on to the workers
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -445,7 +450,21 @@ class _Agent(LocalElasticAgent):
             os.environ[AGENT_MARKS_ENV] = marks
             started = super()._start_workers(worker_group)
             os.environ.pop(AGENT_MARKS_ENV, None)
+        if threading.current_thread() is threading.main_thread():
+            # In place of torch's handlers (installed by the start above), which raise on every signal: a
+            # second one raised inside the shutdown of the first, cutting it short (exit 143 after a Ctrl-C).
+            for sig in _handled_signals():
+                signal.signal(sig, self._first_signal)
         return started
+
+    def _first_signal(self, signum: int, frame: Any) -> None:
+        """The first stop signal stops the job (as torch's handler does); a later Ctrl-C makes the workers quit
+        at once (their exit code stays the first signal's); other later signals change nothing."""
+        if self.stop_signal is None:
+            self.stop_signal = signal.Signals(signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=self.stop_signal)
+        if signum == signal.SIGINT:
+            self._forward_interrupt(signum, frame)
 
     def _exit_barrier(self) -> None:
         self.deadline = time.monotonic() + self._exit_barrier_timeout + self.store_limit_s
@@ -479,6 +498,7 @@ class _Agent(LocalElasticAgent):
                 }
 
     def _forward_interrupt(self, signum: int, frame: Any) -> None:
+        self.hurried = True
         for pid in self._pcontext.pids().values() if self._pcontext is not None else ():
             try:
                 os.kill(pid, signal.SIGINT)
@@ -576,13 +596,38 @@ def _make_agent(
     )
 
 
+def _stopped_by_signal(agent: _Agent, first: signal.Signals, args: argparse.Namespace) -> int:
+    """The launcher's exit code after its first stop signal (`first`: a later one never renames the stop)."""
+    for sig in _handled_signals():  # the workers are stopped and the code decided: nothing may cut the exit
+        signal.signal(sig, signal.SIG_IGN)  # short now (Python restores default handlers as it exits)
+    code = exit_code_for(list(agent.exit_codes.values()))
+    if code in _RESUMABLE:
+        done = (
+            "the workers quit at once on the Ctrl-C that followed (with or without this stop's checkpoint)"
+            if agent.hurried
+            else "the workers committed a checkpoint"
+        )
+        _say(f"stopped by {first.name}; {done}. Run the same command again to resume.")
+        return _resumable_exit(code, args)
+    if code in (EXIT_USAGE, EXIT_LEASE_LOST):
+        return code  # the worker said why, in one line
+    _say(f"killed by {first.name} before the workers could stop cleanly")
+    return 128 + int(first)
+
+
+def _handled_signals() -> list[signal.Signals]:
+    """The signals the agent handles (and forwards), as _make_agent told torch's worker context."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_SIGNALS).split(",")
+    return [signal.Signals[name.strip()] for name in names if name.strip()]
+
+
 def exit_code_for(codes: list[int]) -> int:
     """The job's exit code from its workers' codes (on this node).
 
     Bad input (2) wins over everything: when one rank exits 2 the agent stops the others, and
     whatever they exit with then must not turn the job into a retryable failure.
     """
-    for final in (EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED):
+    for final in (EXIT_USAGE, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_INTERRUPTED):
         if final in codes:
             return final
     return EXIT_OK if all(c == 0 for c in codes) else EXIT_FAILED
@@ -651,7 +696,8 @@ def launch(args: argparse.Namespace) -> int:
             _say(note)
         print(shlex.join([*(f"{k}={v}" for k, v in env.items()), "torchrun", *argv]))
         print(
-            f"# beyond torchrun: worker exit {EXIT_PREEMPTED}, {EXIT_INTERRUPTED} or {EXIT_USAGE} ends the job with "
+            f"# beyond torchrun: worker exit {EXIT_PREEMPTED}, {EXIT_INTERRUPTED}, {EXIT_LEASE_LOST} or {EXIT_USAGE} "
+            "ends the job with "
             f"that code (no restart), exit barrier {args.exit_barrier_timeout:g} s, restarts stop workers within "
             f"{args.shutdown_timeout} s, "
             + (
@@ -695,16 +741,7 @@ def launch(args: argparse.Namespace) -> int:
     except SignalException as e:
         # Keep the rendezvous open (as torchrun does): the other nodes may still re-form without us.
         shutdown_rdzv = False
-        code = exit_code_for(list(agent.exit_codes.values()))
-        if code in _RESUMABLE:
-            _say(
-                f"stopped by {e.sigval.name}; the workers committed a checkpoint. Run the same command again to resume."
-            )
-            return _resumable_exit(code, args)
-        if code == EXIT_USAGE:
-            return code  # the worker said why, in one line
-        _say(f"killed by {e.sigval.name} before the workers could stop cleanly")
-        return 128 + int(e.sigval)
+        return _stopped_by_signal(agent, agent.stop_signal or e.sigval, args)
     except RendezvousError as e:
         if exit_code_for(list(agent.exit_codes.values())) == EXIT_PREEMPTED:
             return int(args.preempted_exit_code)  # the host node left first after the same coordinated stop
@@ -724,6 +761,8 @@ def launch(args: argparse.Namespace) -> int:
         return _resumable_exit(code, args)
     if code == EXIT_USAGE:
         _say("bad input (a worker exited 2; not restarted): see its error above")
+    elif code == EXIT_LEASE_LOST:
+        _say(f"another run took the run folder's lease (a worker exited {code}; not restarted): see its error above")
     else:
         allowed = agent.get_worker_group().spec.max_restarts
         _say(f"job failed after {allowed} restart(s) allowed: {_describe(result.failures)}")

@@ -5,11 +5,13 @@ An attempt is one start of the training command. It ends in one of five ways:
     completed    it reached train.max_steps (exit 0)
     interrupted  Ctrl-C: every rank stopped at one step and committed a checkpoint (exit 130); a
                  second Ctrl-C quits at once, without a checkpoint (still 130, `checkpoint: false`)
-    preempted    SIGTERM or SIGUSR1: every rank stopped at one step and committed a checkpoint (exit 75)
+    preempted    SIGTERM or SIGUSR1: every rank stopped at one step and committed a checkpoint (exit 75);
+                 a Ctrl-C after it quits at once (still 75: the first stop signal decides)
     stopped      a decided stop of every rank: a non-finite gradient under train.on_nonfinite=stop, a
                  failed save under ckpt.on_error=stop (exit 1), bad input met while training (exit 2)
     crashed      an error ended it (exit 1; the record names the error), or it left no end record at
-                 all: killed (SIGKILL, the out-of-memory killer), power lost, its node lost
+                 all: killed (SIGKILL, the out-of-memory killer), power lost, its node lost, or its
+                 lease taken by another run (exit 73: it writes nothing more into the folder)
 
 `Run.fit` writes the end record into metrics.jsonl: an "event" record named after the ending, with the
 step, the exit code and what caused it. Older versions wrote one only for a preemption, an

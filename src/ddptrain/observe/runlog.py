@@ -110,14 +110,25 @@ class RankFileHandler(_OneComplaint, logging.StreamHandler):  # type: ignore[typ
     def discard(self) -> None:
         """A refused run: drop the held records and every later one; the file stays as it was."""
         if self._state == "hold":
-            self._state = "drop"
-            self._held.clear()
+            self.stop()
+
+    def stop(self) -> None:
+        """Nothing more reaches the file, held or not (the run folder became another run's)."""
+        self._state = "drop"
+        self._held.clear()
 
     def close(self) -> None:
         try:
             self.stream.close()
         finally:
             super().close()
+
+
+def stop_rank_files() -> None:
+    """This process's rank log files get nothing more (another run took the run folder's lease)."""
+    for handler in list(PACKAGE_LOG.handlers):
+        if isinstance(handler, RankFileHandler):
+            handler.stop()
 
 
 def console_handler(stream: TextIO | None = None) -> ConsoleHandler:

@@ -27,7 +27,7 @@ from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
-from ddptrain.errors import Preempted
+from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import call_model, model_name, to_device
 from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -41,7 +41,7 @@ from ddptrain.train.nonfinite import NonFiniteSteps
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
 from ddptrain.train.precision import Precision
-from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.preemption import LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
@@ -131,6 +131,7 @@ class Trainer:
         self.step = 0
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
+        self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
         self._batches: Iterator[Any] | None = None
 
     def setup(self) -> None:
@@ -314,6 +315,8 @@ class Trainer:
             stop = agreed != NO_STOP
             if watchdog is not None:
                 watchdog.disarm()
+            if agreed == LEASE_LOST:  # at once: nothing of this step is logged or saved
+                raise self._lease_lost(stop_request)
             window_loss += result.loss
             window_steps += 1
             window_time += result.seconds
@@ -343,11 +346,20 @@ class Trainer:
         with _phase(watchdog, "checkpoint"):
             self.finish_saves()
 
+    def _lease_lost(self, stop_request: StopRequest | None) -> LeaseLost:
+        """Every rank at the same step: another run took the folder's lease (rank 0 names it; the others may
+        know it from a refused save)."""
+        self.agreement.wait()  # every rank started the same all-reduces: finish them before leaving
+        new_owner = stop_request.new_owner() if stop_request is not None else None
+        return LeaseLost(str(self.cfg.run_dir), self.step, new_owner or self.lease_lost_to)
+
     def finish_saves(self) -> None:
         """All ranks: wait for the last save; retry it once if it failed; the state at this step is committed or
         CheckpointSaveError says which step is the newest safe one (the checkpoint policy decides)."""
         self.checkpointer.wait()
         self.report_saves()
+        if self.lease_lost_to is not None:  # every rank holds the same results now
+            raise LeaseLost(str(self.cfg.run_dir), self.step, self.lease_lost_to)
         if self.checkpointer.policy.final_retry_needed(self.step):
             log.warning("retrying the save of step %d, the state this run ends with", self.step)
             self.save_checkpoint()
@@ -417,6 +429,11 @@ class Trainer:
     def report_saves(self) -> None:
         """Record finished saves; the checkpoint policy then decides whether a failure stops the run."""
         for r in self.checkpointer.finished():
+            if r.lease_lost is not None:
+                # Rank 0 refused to commit: not a failed save, nothing to report. Its lease flag is up, so the stop
+                # agreement stops every rank at one step (an async result may reach the ranks at different steps).
+                self.lease_lost_to = r.lease_lost
+                continue
             self._report_save(r)
             self.checkpointer.policy.judge(r)
 
