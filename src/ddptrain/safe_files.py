@@ -42,13 +42,20 @@ def open_new_no_follow(path: Path) -> IO[bytes]:
     return os.fdopen(fd, "wb")
 
 
-def read_bytes_no_follow(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of a regular file (at most limit + 1 of them); OSError for a link or a non-file."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+def read_regular_file(path: Path, limit: int | None = None, *, follow: bool = False) -> bytes:
+    """The bytes of a regular file (at most limit + 1 of them); OSError for a non-file, and for a link
+    unless follow. Opened non-blocking, so a FIFO planted under the name is refused, never waited on."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else _NOFOLLOW)
+    fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(21, "not a regular file", str(path))
         return f.read() if limit is None else f.read(limit + 1)
+
+
+def read_bytes_no_follow(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (at most limit + 1 of them); OSError for a link or a non-file."""
+    return read_regular_file(path, limit)
 
 
 def write_text_replace(path: Path, text: str) -> None:

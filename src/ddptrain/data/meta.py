@@ -16,8 +16,6 @@ Three shapes are read:
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ddptrain.errors import DataError
+from ddptrain.safe_files import read_regular_file
 
 META = "meta.json"
 FORMAT = 3
@@ -171,15 +170,15 @@ def read_meta_file(data_dir: Path, name: str = META) -> dict[str, Any]:
     and validated."""
     path = data_dir / name
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw = read_regular_file(path, MAX_META_BYTES, follow=True)
     except FileNotFoundError:
         raise DataError(
             f"no prepared corpus in {data_dir} (meta.json is missing); run `ddptrain prepare --out {data_dir} FILES...`"
         ) from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DataError(f"{path} is not a regular file; prepare the corpus again")
-        raw = f.read(MAX_META_BYTES + 1)
+    except OSError as e:
+        if e.errno != 21:
+            raise
+        raise DataError(f"{path} is not a regular file; prepare the corpus again") from None
     if len(raw) > MAX_META_BYTES:
         raise DataError(f"{path} is larger than {MAX_META_BYTES} bytes; prepare the corpus again")
     return parse_meta(raw, path)

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ddptrain.safe_files import open_new_no_follow
+
 
 def shard_name(split: str, index: int) -> str:
     """File name of a split's index-th shard."""
@@ -68,7 +70,7 @@ class ShardWriter:
     def _open(self) -> None:
         name = shard_name(self.split, len(self.shards))
         self._tmp = self.out_dir / f".{name}.{os.getpid()}.tmp"
-        self._file = open(self._tmp, "wb")
+        self._file = open_new_no_follow(self._tmp)  # a fresh name in the preparer's private folder
         self._hash = hashlib.sha256()
         self._filled = 0
         self._max = 0

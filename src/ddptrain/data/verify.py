@@ -38,11 +38,6 @@ def verify_corpus(data_dir: Path, meta: dict[str, Any]) -> None:
     """DataError naming the first shard whose bytes do not hash to meta.json's SHA-256 or that holds a token
     id at or above vocab_size; meta is read_meta(data_dir)'s (validated, sizes checked)."""
     vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
-    for split in ("train", "val"):
-        for shard in meta["shards"][split]:
-            recorded = shard.get("max_token_id")
-            if recorded is not None and recorded >= vocab:  # the schema refuses it too: this never reads
-                raise DataError(f"{data_dir / shard['file']}: token id {recorded} is not below vocab_size {vocab}")
     if meta["format"] == 1:  # legacy: one SHA-256 of train.bin's bytes followed by val.bin's
         groups = [([data_dir / "train.bin", data_dir / "val.bin"], meta["sha256"], None)]
     else:
