@@ -441,7 +441,10 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, as written to run.dir/config.yaml."""
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+        # One line per value (no folding) and characters as they are: the size config_io's bounds promise.
+        return yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True), sort_keys=False, allow_unicode=True, width=2**30
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -23,13 +23,16 @@ from pydantic import ValidationError
 from ddptrain.errors import ConfigError
 from ddptrain.safe_files import read_regular_file
 
-MAX_CONFIG_FILE_BYTES = 1 << 20  # the YAML file as written
 MAX_CONFIG_DEPTH = 32  # mappings and lists nested in each other (the sections are level 1)
-MAX_CONFIG_VALUES = 100_000  # keys, values and list items, aliases counted as often as they are used
-MAX_CONFIG_CHARS = 1 << 20  # characters of text in keys and values, aliases counted likewise
-# The manifest stores the config as JSON (indent 1, \u escapes): at most ~(depth + 8) bytes per value
-# and 12 bytes per character (an escaped astral character) give ~17 MB within the bounds above.
-MAX_CONFIG_JSON_BYTES = 24 << 20
+MAX_CONFIG_VALUES = 20_000  # keys, values and list items, aliases counted as often as they are used
+MAX_CONFIG_CHARS = 256 << 10  # characters of text in keys and values, aliases counted likewise
+# What the bounds above allow, stored: config.yaml (Config.to_yaml: one line per value, indented 2 per
+# level, a character at most 6 bytes as a YAML escape) is at most ~3 MB, under the file limit, so a run's
+# config.yaml always loads again; the manifest's JSON (indent 1, a character at most 12 bytes as \u
+# escapes) at most ~4 MB, checked after validation against MAX_CONFIG_JSON_BYTES, an eighth of the 64 MiB
+# a manifest may take (the rest is the checkpoint's list of files).
+MAX_CONFIG_FILE_BYTES = 4 << 20
+MAX_CONFIG_JSON_BYTES = 8 << 20
 
 
 # Unicode's control characters (C0, DEL, C1) and line/paragraph separators: in a path or a name they end up
