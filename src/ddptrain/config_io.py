@@ -78,16 +78,18 @@ class _BoundedLoader(yaml.SafeLoader):
         self._open = 0  # nodes being composed around the current one
         self._sizes: dict[yaml.Node, tuple[int, int, int]] = {}  # node: (values, chars, height) expanded
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:  # type: ignore[override]
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         alias = self.check_event(yaml.AliasEvent)
-        mark = self.peek_event().start_mark
+        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
         self._open += 1
         try:
             if self._open > MAX_CONFIG_DEPTH + 1:  # stops the composer's recursion early
                 raise _too_big(f"nests deeper than {MAX_CONFIG_DEPTH} levels", self._where(mark))
-            node = super().compose_node(parent, index)  # type: ignore[no-untyped-call]
+            node = super().compose_node(parent, index)
         finally:
             self._open -= 1
+        if node is None:
+            return None
         if node not in self._sizes:
             if alias:  # an anchor used inside itself: the expansion never ends
                 raise ConfigError(f"{self._where(mark)} uses an alias inside its own anchor (a recursive config)")
@@ -107,7 +109,7 @@ class _BoundedLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,
