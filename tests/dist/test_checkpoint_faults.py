@@ -104,7 +104,10 @@ def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_ar
     refused = run_ddptrain(["train", *tiny_args, "train.max_steps=9"])
     assert refused.returncode == 2
     assert "failed verification; refusing to start over silently" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    # One error line; before it, on stderr too, one warning per checkpoint tried, naming why it was rejected.
+    lines = refused.stderr.strip().splitlines()
+    assert [line for line in lines if ": error: " in line] == lines[-1:], refused.stderr
+    assert all(line.startswith("warning: checkpoint rejected: step-") for line in lines[:-1]), refused.stderr
 
 
 @pytest.mark.timeout(120)
