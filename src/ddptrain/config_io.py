@@ -6,7 +6,9 @@ it is loaded, not when its first checkpoint turns out unreadable: YAML aliases a
 expand (a "billion laughs" of nested aliases is refused while the file is composed, before any
 expansion exists), and so are depth, values, text and the file itself. Any config within the
 bounds below encodes in a manifest in at most MAX_CONFIG_JSON_BYTES (checked after validation,
-too), well under the reader's limit whatever the checkpoint's file list adds.
+too), leaving 56 MiB of the reader's limit to the checkpoint's list of files (over 400,000 of
+them); the manifest's writer refuses to commit past that limit (a failed save, never a checkpoint
+that cannot be read back).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ MANIFEST = "manifest.json"
 FORMAT = 2
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
-MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest (a config takes at most 24 MiB: config_io.py)
+MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest (its config takes at most 8 MiB: config_io.py)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Files whose names on disk are not plain (DCP's commit marker is a hidden file): the manifest
