@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
+from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, ManifestError, parse_manifest
-from ddptrain.config import Config, config_from_mapping, load_config
+from ddptrain.checkpoint.writer import RankZeroTorchWriter
+from ddptrain.config import CkptConfig, Config, config_from_mapping, load_config
 from ddptrain.config_io import (
     MAX_CONFIG_CHARS,
     MAX_CONFIG_DEPTH,
@@ -18,6 +21,7 @@ from ddptrain.config_io import (
     MAX_CONFIG_JSON_BYTES,
     MAX_CONFIG_VALUES,
 )
+from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 
 
@@ -190,3 +194,13 @@ def test_names_and_paths_are_one_line(key: str, value: str, message: str) -> Non
 def test_a_run_name_is_one_folder_under_runs() -> None:
     for name in ("x", "Big_Run!", "a b", "ümlaut", "a..b", "-x"):
         assert config_from_mapping({"run": {"name": name}}).run_dir == Path("runs") / name
+
+
+def test_a_save_whose_manifest_would_be_unreadable_fails_and_commits_nothing(tmp_path: Path) -> None:
+    config = {"data": {"kwargs": {"k": "x" * MAX_MANIFEST_BYTES}}}  # only a caller past config_io can make one
+    checkpointer = Checkpointer(CkptConfig(), tmp_path, DistContext(), config, writer=RankZeroTorchWriter())
+    checkpointer.setup()
+    checkpointer.save(1, {"model": {"w": torch.zeros(2)}, "trainer": {"step": 1}}, {})
+    [result] = checkpointer.finished()
+    assert not result.ok and "manifest.json would take" in str(result.error), result
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no step folder, no temp folder
