@@ -95,6 +95,7 @@ def export(
     if data_dir is not None and fmt != "hf":
         raise ConfigError("--data-dir gives --format hf its tokenizer; plain safetensors export writes none")
     if fmt == "hf":
+        from ddptrain.checkpoint.export import refuse_links_inside, staged_output
         from ddptrain.checkpoint.export_hf import export_hf
         from ddptrain.evaluate import model_of, tokenizer_dir
 
@@ -107,7 +108,9 @@ def export(
                 "not a live nn.Module passed to ddptrain.train(); export without --format hf writes its weights"
             )
         cfg, model = model_of(ckpt)
-        what = export_hf(model, cfg.model, tokenizer_dir(cfg, data_dir), out_dir)
+        refuse_links_inside(Path(run_dir), out_dir)
+        with staged_output(out_dir) as work:  # complete or absent: a failed export leaves nothing behind
+            what = export_hf(model, cfg.model, tokenizer_dir(cfg, data_dir), work)
         print(f"exported {ckpt.path.name} to {out}: {what}")
         return 0
     from ddptrain.checkpoint.export import export_model

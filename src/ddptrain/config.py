@@ -8,21 +8,34 @@ errors (a typo must never be silently ignored), and every user mistake surfaces 
 from __future__ import annotations
 
 import copy
-import io
-import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
 
+from ddptrain.config_io import (
+    apply_overrides,
+    check_bounds,
+    check_encoded_size,
+    folder_name,
+    format_validation_error,
+    load_yaml,
+    one_line_text,
+    read_text_file,
+)
 from ddptrain.errors import ConfigError
+
+__all__ = ["apply_overrides", "load_yaml", "read_text_file"]  # kept importable from here
 
 # Bounds that keep values meaningful: timedelta overflows past ~1e9 days, NumPy seeds are 32-bit,
 # and a timeout of more than a week is a typo, not a plan.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SEED = 2**32 - 1
+# A path or name written into scripts, manifests and logs: one line.
+LineText = Annotated[str, AfterValidator(one_line_text)]
 
 
 class _Section(BaseModel):
@@ -34,8 +47,10 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
-    name: str = Field("default", description="Run name; the default output folder is runs/<name>.")
-    dir: str | None = Field(
+    name: Annotated[str, AfterValidator(folder_name)] = Field(
+        "default", description="Run name; the default output folder is runs/<name>."
+    )
+    dir: LineText | None = Field(
         None, description="Output folder for config, metrics, logs and checkpoints (default runs/<name>)."
     )
     seed: int = Field(
@@ -51,7 +66,7 @@ class HFModelConfig(_Section):
         None,
         description="A local folder holding config.json, or an inline mapping of config fields including model_type (e.g. llama).",
     )
-    pretrained: str | None = Field(
+    pretrained: LineText | None = Field(
         None, description="A local folder written by save_pretrained: build the model from it and load its weights."
     )
 
@@ -69,7 +84,7 @@ class ModelConfig(_Section):
         None,
         description="A Hugging Face transformers causal LM (needs the hf extra); None uses target or the built-in GPT.",
     )
-    init_from: str | None = Field(
+    init_from: LineText | None = Field(
         None,
         description="Start from these weights (a run or checkpoint folder, an exported .safetensors, an HF folder): fresh optimizer, step 0. A run folder's own checkpoints win.",
     )
@@ -122,7 +137,9 @@ class DataConfig(_Section):
         None,
         description="Written by ddptrain.train() when given live dataset objects (their classes): eval then needs data.target (or data.live=null and data.dir), export and generate --data-dir. Leave unset.",
     )
-    dir: str = Field("data/stdlib", description="Folder holding the prepared corpus (train.bin, val.bin, meta.json).")
+    dir: LineText = Field(
+        "data/stdlib", description="Folder holding the prepared corpus (train.bin, val.bin, meta.json)."
+    )
     micro_batch_size: int = Field(16, ge=1, description="Samples per rank per forward pass.")
     num_workers: int = Field(
         0, ge=0, description="DataLoader worker processes per rank (0 loads in the training process)."
@@ -273,7 +290,7 @@ class CkptConfig(_Section):
         ge=1,
         description="Committed checkpoints of this run's timeline to keep; older ones are deleted after a newer commit.",
     )
-    resume: str = Field(
+    resume: LineText = Field(
         "auto",
         description="'auto' continues from the newest good checkpoint in run.dir, 'never' starts fresh, or a checkpoint path.",
     )
@@ -315,7 +332,7 @@ class LogConfig(_Section):
         default_factory=list,
         description="At the end of a completed run, upload to the trackers: report (the `ddptrain report` PNGs and summary), model (the `ddptrain export` safetensors).",
     )
-    tracker_run_name: str | None = Field(None, description="Run name shown in MLflow and W&B (None: run.name).")
+    tracker_run_name: LineText | None = Field(None, description="Run name shown in MLflow and W&B (None: run.name).")
     tracker_buffer: int = Field(
         5000,
         ge=1,
@@ -326,15 +343,15 @@ class LogConfig(_Section):
         ge=0,
         description="At the end of a run, wait at most this long for the trackers to deliver what is queued.",
     )
-    mlflow_tracking_uri: str | None = Field(
+    mlflow_tracking_uri: LineText | None = Field(
         None, description="MLflow tracking server or store URI (None: MLFLOW_TRACKING_URI, else MLflow's default)."
     )
-    mlflow_experiment: str | None = Field(
+    mlflow_experiment: LineText | None = Field(
         None,
         description="MLflow experiment name, created when missing (None: MLFLOW_EXPERIMENT_NAME or MLFLOW_EXPERIMENT_ID, else 'Default').",
     )
-    wandb_project: str | None = Field(None, description="W&B project (None: WANDB_PROJECT, else W&B's default).")
-    wandb_entity: str | None = Field(
+    wandb_project: LineText | None = Field(None, description="W&B project (None: WANDB_PROJECT, else W&B's default).")
+    wandb_entity: LineText | None = Field(
         None, description="W&B entity, a user or team (None: WANDB_ENTITY, else your default entity)."
     )
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
@@ -424,100 +441,10 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         """The resolved config as YAML, as written to run.dir/config.yaml."""
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"duplicate key {key!r} (the later one would silently replace the earlier)",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
-# YAML 1.1 reads `3e-4` (no dot) as a string; every user means a number (strict mode would refuse
-# the string where pydantic's lax mode used to convert it).
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
-
-
-def load_yaml(text: str, name: str = "<value>") -> Any:
-    """Parse YAML safely, refusing duplicate keys; errors point at `name`, line and column."""
-    stream = io.StringIO(text)
-    stream.name = name  # what PyYAML's error marks show
-    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def read_text_file(path: Path, what: str) -> str:
-    """A UTF-8 text file's content; ConfigError (one line) when missing, unreadable or not UTF-8."""
-    if not path.exists():
-        raise ConfigError(f"{what} not found: {path}")
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} is not a file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.max_steps=100)")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) < 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be dotted, like train.max_steps")
-    try:
-        value = load_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set each `a.b.c=value` (value parsed as YAML) into the nested dict."""
-    for item in overrides:
-        parts, value = _parse_override(item)
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return data
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "config"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{where}'")
-        elif "input" in e and e["type"] not in ("value_error", "missing"):
-            got = repr(e["input"])
-            lines.append(f"{where}: {e['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})")
-        else:
-            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
-    return _one_line("invalid config: " + "; ".join(lines))
+        # One line per value (no folding) and characters as they are: the size config_io's bounds promise.
+        return yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True), sort_keys=False, allow_unicode=True, width=2**30
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -529,7 +456,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = load_yaml(text, str(p))
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {_one_line(str(e))}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {' '.join(str(e).split())}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
@@ -537,12 +464,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_from_mapping(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
-    """Validate a mapping of sections (as YAML would give), after applying dotted overrides."""
+    """Validate a mapping of sections (as YAML would give), after applying dotted overrides; ConfigError for
+    anything invalid, or past the bounds of config_io (depth, values, text), with or without the overrides."""
+    check_bounds(data)  # first: a structure past the bounds is never copied or expanded
     merged = apply_overrides(copy.deepcopy(dict(data)), overrides or [])
+    check_bounds(merged)
     try:
-        return Config.model_validate(merged)
+        cfg = Config.model_validate(merged)
+        check_encoded_size(cfg.model_dump(mode="json", by_alias=True))
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e)) from None
+    except (PydanticSerializationError, TypeError, ValueError) as e:  # a Python-API value with no JSON form
+        raise ConfigError(f"the config cannot be stored as JSON: {' '.join(str(e).split())[:200]}") from None
+    return cfg
 
 
 def describe_fields() -> str:

@@ -1,54 +1,77 @@
 """`ddptrain generate RUN_DIR --prompt TEXT`: sample from the built-in GPT of a run's newest good checkpoint.
 
 The prompt is encoded and the output decoded with the tokenizer of the data the run trained on
-(raw bytes, or the `tokenizer.json` recorded in its meta.json).
+(raw bytes, or the `tokenizer.json` recorded in its meta.json, whose SHA-256 must match the one
+recorded there). The model and the data's folder come from the config stored in the checkpoint's
+verified manifest, never from run.dir/config.yaml, which nothing verifies.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from pydantic import ValidationError
 
 from ddptrain.checkpoint import newest_verified
-from ddptrain.config import Config, ModelConfig
+from ddptrain.checkpoint.verify import VerifiedCheckpoint
+from ddptrain.config import DataConfig, ModelConfig
+from ddptrain.config_io import format_validation_error
 from ddptrain.data.corpus import read_meta
 from ddptrain.data.tokenizer import Tokenizer, load_tokenizer_file
-from ddptrain.errors import ConfigError, DataError
+from ddptrain.errors import CheckpointError, ConfigError, DataError
 from ddptrain.models.gpt import GPT
 
+_Section = TypeVar("_Section", ModelConfig, DataConfig)
 
-def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, Path, int]:
-    """The built-in GPT of the newest verified checkpoint: (model in eval mode, checkpoint, step)."""
+
+def saved_section(ckpt: VerifiedCheckpoint, name: str, kind: type[_Section]) -> _Section:
+    """A section of the config recorded in the checkpoint's verified manifest (never run.dir/config.yaml, which
+    nothing verifies); CheckpointError when this ddptrain cannot read it."""
+    try:
+        return kind.model_validate(ckpt.manifest.config.get(name, {}))
+    except ValidationError as e:
+        reason = format_validation_error(e).removeprefix("invalid config: ")
+        raise CheckpointError(
+            f"{ckpt.path.name}: the config in its manifest has an invalid {name} section: {reason}"
+        ) from None
+
+
+def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, VerifiedCheckpoint]:
+    """The built-in GPT of the newest verified checkpoint: (model in eval mode, the checkpoint)."""
     ckpt = newest_verified(run_dir / "checkpoints", lambda text: print(text, file=sys.stderr))
-    path = ckpt.path
-    model_cfg = ModelConfig.model_validate(ckpt.manifest.config["model"])
+    model_cfg = saved_section(ckpt, "model", ModelConfig)
     if model_cfg.target is not None or model_cfg.hf is not None or model_cfg.live is not None:
-        raise ConfigError(f"{path.name} holds a user or transformers model; generate works with the built-in GPT only")
+        raise ConfigError(
+            f"{ckpt.path.name} holds a user or transformers model; generate works with the built-in GPT only"
+        )
     model = GPT(model_cfg)
     model.load_state_dict(ckpt.state("model"))
-    return model.to(device).eval(), path, ckpt.step
+    return model.to(device).eval(), ckpt
 
 
-def data_tokenizer(run_dir: Path, data_dir: Path | None = None) -> Tokenizer:
-    """The tokenizer of data_dir's corpus, else of the data the run trained on (bytes when its corpus is gone
-    or was byte-level); ConfigError for live datasets without data_dir."""
+def data_tokenizer(ckpt: VerifiedCheckpoint, data_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer of data_dir's corpus, else of the data the checkpoint's run trained on (bytes when its corpus
+    is gone or was byte-level); ConfigError for live datasets without data_dir, DataError for a tokenizer.json
+    whose SHA-256 is not the one its meta.json records (swapped after the corpus was prepared)."""
     if data_dir is None:
-        cfg = Config.model_validate(__import__("yaml").safe_load((run_dir / "config.yaml").read_text()))
-        if cfg.data.live is not None and cfg.data.target is None:
+        data = saved_section(ckpt, "data", DataConfig)
+        if data.live is not None and data.target is None:
             raise ConfigError(
-                f"data.live={cfg.data.live!r}: the run trained on live datasets passed to ddptrain.train(), whose "
+                f"data.live={data.live!r}: the run trained on live datasets passed to ddptrain.train(), whose "
                 "tokenizer ddptrain does not know; pass --data-dir DIR (the prepared corpus its tokens come from)"
             )
-        data_dir = Path(cfg.data.dir)
+        data_dir = Path(data.dir)
     try:
         meta = read_meta(data_dir)
     except DataError:
         return Tokenizer(None, 256, None)
-    if not meta["tokenizer"]["file"]:
+    tokenizer = meta["tokenizer"]
+    if not tokenizer["file"]:
         return Tokenizer(None, 256, None)
-    return load_tokenizer_file(data_dir / meta["tokenizer"]["file"])
+    return load_tokenizer_file(data_dir / tokenizer["file"], expected_sha256=tokenizer["sha256"])
 
 
 def generate(
@@ -64,8 +87,9 @@ def generate(
 
     data_dir: the prepared corpus whose tokenizer to use (default: the run's data.dir)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, path, _ = load_gpt(run_dir, device)
-    tokenizer = data_tokenizer(run_dir, data_dir)
+    model, ckpt = load_gpt(run_dir, device)
+    path = ckpt.path
+    tokenizer = data_tokenizer(ckpt, data_dir)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"the data's tokenizer has {tokenizer.vocab_size} tokens, the model {model.cfg.vocab_size}")
     ids = tokenizer.encode(prompt) or tokenizer.encode("\n")  # the model needs one token to condition on

@@ -16,6 +16,7 @@ Run it like training: alone, or under torchrun with the world size you want to c
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ class Outcome:
 
 
 def _warn(message: str) -> None:
-    print(message, flush=True)
+    print(message, file=sys.stderr, flush=True)  # a rejected checkpoint is a warning: stderr, as for train
 
 
 def choose_start(run_dir: Path, logged: dict[int, list[dict[str, Any]]], start: int | None) -> VerifiedCheckpoint:
@@ -175,7 +176,7 @@ def verify_resume(run_dir: Path, start: int | None, steps: int) -> int:
             return 0
         outcome = judge(logged, replayed, ctx.world_size)
         print(
-            f"verify-resume: replayed steps {first + 1}..{the_run.trainer.step} from {ckpt} (saved at world size "
+            f"verify-resume: replayed steps {first + 1}..{the_run.trainer.step} from {ckpt.path} (saved at world size "
             f"{ckpt.manifest.world_size}) at world size {ctx.world_size}, in {scratch}"
         )
         print(outcome.text)

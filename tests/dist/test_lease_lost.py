@@ -102,7 +102,7 @@ def test_a_run_that_lost_its_lease_stops_at_once_and_writes_nothing_more(tmp_pat
     stopped_at = int(lines[0].split("stopped at step ")[1].split()[0])
     assert all(f"stopped at step {stopped_at} " in line for line in lines)
     assert f"another run took the run folder's lease (a worker exited {EXIT_LEASE_LOST}; not restarted)" in text
-    assert f"took over the lease of a run that is gone (pid {gone.pid} on " in (tmp_path / "b.out").read_text()
+    assert f"took over the lease of a run that is gone (pid {gone.pid} on " in (tmp_path / "b.err").read_text()
 
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = max(i for i, r in enumerate(records) if r.get("event") == "resume")

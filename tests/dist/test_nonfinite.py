@@ -44,4 +44,4 @@ def test_nan_on_one_rank_stops_all_when_configured(tmp_path: Path) -> None:
     [stopped] = [r for r in read_metrics(run_dir, "event") if r["event"] == "stopped"]
     assert stopped["step"] == 4 and "non-finite gradient norm" in stopped["reason"]
     # A decided stop on every rank (exit 1 with one message), not a crash of one rank.
-    assert "error: non-finite gradient norm" in done.stdout and "RankFailure" not in done.stderr
+    assert "error: non-finite gradient norm" in done.stderr and "RankFailure" not in done.stderr

@@ -27,8 +27,8 @@ def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     host = socket.gethostname()
     # the window is full at step 4 (first strike), confirmed at the next check
-    assert f"warning: straggler at step 8: rank 1 on {host} computes" in proc.stdout
-    assert proc.stdout.count("warning: straggler") == 1  # warned once for the episode
+    assert f"warning: straggler at step 8: rank 1 on {host} computes" in proc.stderr  # a warning: stderr
+    assert proc.stderr.count("warning: straggler") == 1  # warned once for the episode
     checks = read_metrics(run_dir, "ranks")
     assert [c["step"] for c in checks] == [4, 8, 12]
     for c in checks:

@@ -169,10 +169,10 @@ def test_a_malformed_newest_manifest_falls_back_with_one_warning(
     mutate(trained / "checkpoints" / "step-00000006")
     r = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
     assert r.returncode == 0, r.stderr
-    warnings = [line for line in r.stdout.splitlines() if "checkpoint rejected" in line]
-    assert len(warnings) == 1 and "step-00000006" in warnings[0] and reason in warnings[0], r.stdout
+    warnings = [line for line in r.stderr.splitlines() if "checkpoint rejected" in line]  # a warning: stderr
+    assert len(warnings) == 1 and "step-00000006" in warnings[0] and reason in warnings[0], r.stderr
     assert "resuming from" in r.stdout and "step-00000003 (step 3" in r.stdout
-    assert "passwd" not in r.stdout.replace("'../../../../etc/passwd'", "").replace("'/etc/passwd'", "")
+    assert "passwd" not in (r.stdout + r.stderr).replace("'../../../../etc/passwd'", "").replace("'/etc/passwd'", "")
 
 
 @pytest.mark.timeout(180)
@@ -262,5 +262,5 @@ def test_a_sigkilled_runs_lease_is_taken_over(tiny_args: list[str], tmp_path: Pa
         ["train", *tiny_args, "train.max_steps=1000000", "train.max_steps=" + str(int(newest[5:]) + 2)]
     )
     assert after.returncode == 0, after.stderr
-    assert f"took over the lease of a run that is gone (pid {victim.pid} on" in after.stdout
+    assert f"took over the lease of a run that is gone (pid {victim.pid} on" in after.stderr  # a warning
     assert not (run_dir / ".lease").exists()

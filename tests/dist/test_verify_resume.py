@@ -32,6 +32,9 @@ def test_replay_at_the_same_world_size_is_bit_identical(trained: Path) -> None:
     proc = run_ddptrain(["verify-resume", str(trained), "--from", "20", "--steps", "10"], nproc=2, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "replayed steps 21..30 from" in proc.stdout and "at world size 2" in proc.stdout
+    # The checkpoint is named by its path, not by a repr of its contents (once 3.6 KB on one line).
+    assert "step-00000020 (saved at world size 2)" in proc.stdout and "VerifiedCheckpoint(" not in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) < 500, proc.stdout
     assert "identical: logged steps 25, 30: sample ids, 4 parameter and 12 optimizer-state digests and losses are " \
            "bit-identical" in proc.stdout, proc.stdout
     print(proc.stdout)

@@ -85,6 +85,17 @@ BAD_VALUES = [
     ("train.bogus=1", "unknown key 'train.bogus'"),
     ("train=3", "train"),
     ("train.max_steps.deeper=3", "is a value, not a section"),
+    # run.name is a folder under runs/ (and a tracker's run name); paths and names are one line.
+    ("run.name=''", "run.name: must name one folder under runs/"),
+    ("run.name=..", "run.name: must name one folder under runs/"),
+    ("run.name=a/b", "run.name: must name one folder under runs/"),
+    ('run.name="x\\necho INJECTED >&2"', "run.name: must be one line without control characters"),
+    ('run.dir="runs/a\\0b"', "run.dir: must be one line without control characters (found '\\x00'"),
+    ('run.dir="runs/a\\nb"', "run.dir: must be one line"),
+    ('data.dir="data/\\u2028x"', "data.dir: must be one line"),
+    ('ckpt.resume="a\\rb"', "ckpt.resume: must be one line"),
+    ("data.kwargs." + ".".join(["k"] * 40) + "=1", "nests deeper than 32 levels"),
+    ("data.kwargs.k=" + "[" * 300 + "]" * 300, "nests deeper than 32 levels"),
 ]
 
 
@@ -125,6 +136,28 @@ CONFIG_FILES = [
     (b"train: {max_steps: 3\n", "is not valid YAML"),
     (b"- a\n- list\n", "must hold a mapping of sections"),
     (b"train: {max_steps: !!python/object:os.system ls}\n", "is not valid YAML"),
+    # A "billion laughs": aliases nested 7 deep expand to 10**8 values; refused before anything expands.
+    pytest.param(
+        b"data:\n  kwargs:\n    a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+        + b"".join(f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n".encode() for i in range(1, 8)),
+        "expands to more than 20,000 values",
+        id="billion-laughs",
+    ),
+    pytest.param(
+        b"data:\n  kwargs:\n    k: " + b"[" * 400 + b"]" * 400 + b"\n", "nests deeper than 32", id="deep-list"
+    ),
+    pytest.param(
+        b"data:\n  kwargs:\n    k: " + b"{a: " * 400 + b"1" + b"}" * 400, "nests deeper than 32", id="deep-map"
+    ),
+    (b"data:\n  kwargs: &a\n    k: *a\n", "uses an alias inside its own anchor"),
+    pytest.param(b"data:\n  kwargs:\n    k: " + b"9" * 5000 + b"\n", "Exceeds the limit (4300 digits)", id="bigint"),
+    pytest.param(
+        b"data:\n  kwargs:\n    k: &s " + b"x" * 200_000 + b"\n    j: *s\n",
+        "expands to more than 262,144 characters",
+        id="long-alias",
+    ),
+    pytest.param(b"run:\n  name: x\n" + b"#" * (4 << 20), "is larger than 4,194,304 bytes", id="huge-file"),
+    (b'model:\n  init_from: "runs/a\\0b"\n', "model.init_from: must be one line without control characters"),
 ]
 
 
@@ -143,6 +176,9 @@ def test_train_refuses_config_paths_that_are_not_files(tmp_path: Path, capsys: p
         unreadable = write(tmp_path / "locked.yaml", b"train: {max_steps: 3}\n")
         unreadable.chmod(0)
         assert_one_line_exit_2(["train", "-c", str(unreadable)], "cannot read config file", capsys)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # no writer ever comes: a blocking open would hang (the test's timeout would end it)
+    assert_one_line_exit_2(["train", "-c", str(fifo)], "is not a file", capsys)
 
 
 def test_train_refuses_data_the_model_cannot_use(
@@ -325,8 +361,8 @@ def test_every_other_command_refuses_bad_arguments(tmp_path: Path, capsys: pytes
 def bad_inputs_per_command() -> Counter[str]:
     """How many bad inputs this module tries, per command (the figure the hardening issue asks for)."""
     counts = Counter(argv[0] for argv, _ in other_command_cases(Path("/tmp")))
-    # BAD_VALUES, CONFIG_FILES, 2-3 config paths, 4 data cases, 2 run folders, 4 environments
-    counts["train"] += len(BAD_VALUES) + len(CONFIG_FILES) + 2 + 4 + 2 + 4
+    # BAD_VALUES, CONFIG_FILES, 3-4 config paths, 4 data cases, 2 run folders, 4 environments
+    counts["train"] += len(BAD_VALUES) + len(CONFIG_FILES) + 3 + 4 + 2 + 4
     return counts
 
 

@@ -8,6 +8,7 @@ examples for real (in process and in subprocesses).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddptrain.config import Config, load_config
+from ddptrain.config import Config, config_from_mapping, load_config
+from ddptrain.config_io import MAX_CONFIG_DEPTH, MAX_CONFIG_FILE_BYTES
 from ddptrain.errors import ConfigError
 from ddptrain.run import resolve_config
 
@@ -107,3 +109,56 @@ def test_any_config_file_gives_a_config_or_one_line(tmp_path: Path, content: byt
         assert_one_line(e)
     else:
         assert_can_train(cfg)
+
+
+# Text as a hostile user types it: control characters, line and paragraph separators, '/', '.'.
+hostile_text = st.text(st.one_of(st.characters(max_codepoint=0x9F), st.sampled_from("\u2028\u2029/.é😀")), max_size=12)
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+LINE_KEYS = ["run.dir", "data.dir", "ckpt.resume", "model.init_from", "log.tracker_run_name", "log.wandb_project"]
+
+
+@given(st.sampled_from(["run.name", *LINE_KEYS]), hostile_text)
+@settings(max_examples=300, deadline=None)
+def test_names_and_paths_are_one_line_or_one_line_errors(key: str, value: str) -> None:
+    section, name = key.split(".")
+    try:
+        cfg = config_from_mapping({section: {name: value}})
+    except ConfigError as e:
+        assert_one_line(e)
+        assert key in str(e)
+        assert CONTROL.search(value) or (key == "run.name" and (value in ("", ".", "..") or "/" in value))
+    else:
+        assert not CONTROL.search(value)
+        if key == "run.name":  # exactly one folder under runs/
+            assert cfg.run_dir.parent == Path("runs") and cfg.run_dir.name == value
+
+
+@st.composite
+def nestings(draw: st.DrawFn) -> tuple[Any, int]:
+    """(a value nested in lists and mappings, its depth in collections)."""
+    depth = draw(st.integers(0, 2 * MAX_CONFIG_DEPTH))
+    value: Any = draw(scalars.filter(lambda v: not isinstance(v, float) or math.isfinite(v)))
+    for kind in draw(st.lists(st.sampled_from(["list", "map"]), min_size=depth, max_size=depth)):
+        value = [value] if kind == "list" else {"k": value}
+    return value, depth
+
+
+@given(nestings(), st.booleans())
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_nesting_loads_exactly_up_to_the_depth_limit(tmp_path: Path, nesting: tuple[Any, int], as_file: bool) -> None:
+    value, depth = nesting
+    data = {"data": {"kwargs": {"k": value}}}  # 3 levels above k
+    fits = 3 + depth <= MAX_CONFIG_DEPTH
+    try:
+        if as_file:
+            path = tmp_path / "cfg.yaml"
+            path.write_text(yaml.safe_dump(data))
+            cfg = load_config(path)
+        else:
+            cfg = config_from_mapping(data)
+    except ConfigError as e:
+        assert_one_line(e)
+        assert not fits and f"nests deeper than {MAX_CONFIG_DEPTH} levels" in str(e)
+    else:
+        assert fits and cfg.data.kwargs["k"] == value
+        assert len(cfg.to_yaml()) < MAX_CONFIG_FILE_BYTES  # what loads, a run can store and load again

@@ -1,4 +1,5 @@
-"""Logging on a full disk says so once; the data identity that every rank compares at start."""
+"""Logging on a full disk says so once; warnings and errors on stderr; the data identity that every rank
+compares at start."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ddptrain.data.identity import agree_on_data, check_same_data, corpus_identi
 from ddptrain.dist import DistContext
 from ddptrain.errors import DataError
 from ddptrain.observe.metrics import MetricsWriter
-from ddptrain.observe.runlog import PACKAGE_LOG, RankFileHandler
+from ddptrain.observe.runlog import PACKAGE_LOG, RankFileHandler, console_handler
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC
 
@@ -32,6 +33,26 @@ def test_a_full_disk_while_logging_is_one_line(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "warning: cannot write the log to /dev/full (No space left on device); logging there stops"
+    ]
+
+
+def test_the_console_puts_progress_on_stdout_and_warnings_and_errors_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    handler = console_handler()
+    PACKAGE_LOG.addHandler(handler)
+    try:
+        log = logging.getLogger("ddptrain.tests")
+        log.info("step 1")
+        log.warning("checkpoint rejected: step-00000006: a reason; trying an older one")
+        log.error("checkpoint at step 6 was not committed: a reason; earlier checkpoints are kept")
+    finally:
+        PACKAGE_LOG.removeHandler(handler)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 1"]  # a run that exits 1 says why on stderr, never only on stdout
+    assert err.splitlines() == [
+        "warning: checkpoint rejected: step-00000006: a reason; trying an older one",
+        "error: checkpoint at step 6 was not committed: a reason; earlier checkpoints are kept",
     ]
 
 

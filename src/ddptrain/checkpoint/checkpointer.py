@@ -48,7 +48,15 @@ import torch.distributed as dist
 
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
 from ddptrain.checkpoint.durable import write_durable
-from ddptrain.checkpoint.manifest import MANIFEST, TMP_PREFIX, FileEntry, Manifest, checkpoint_name, step_of
+from ddptrain.checkpoint.manifest import (
+    MANIFEST,
+    TMP_PREFIX,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    checkpoint_name,
+    step_of,
+)
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
@@ -245,8 +253,9 @@ class Checkpointer:
                 archive(self.dir, [final], f"replaced-step-{step}")
             os.rename(tmp, final)
             fsync_dir(self.dir)
-        except OSError as e:
-            return f"rank 0 on {self.ctx.hostname}: {e.strerror or e} while committing {final.name}"
+        except (OSError, ManifestError) as e:  # every rank waits for this answer: an error string, never a raise
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            return f"rank 0 on {self.ctx.hostname}: {reason} while committing {final.name}"
         return None
 
     def _broadcast(self, value: tuple[str | None, str | None]) -> tuple[str | None, str | None]:

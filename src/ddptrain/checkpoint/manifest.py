@@ -25,7 +25,7 @@ MANIFEST = "manifest.json"
 FORMAT = 2
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
-MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest; a bigger one is not ours
+MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest (its config takes at most 8 MiB: config_io.py)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Files whose names on disk are not plain (DCP's commit marker is a hidden file): the manifest
@@ -105,7 +105,10 @@ class Manifest:
             "identity": self.identity,
         }
         fields["checksum"] = manifest_checksum(fields)
-        return json.dumps(fields, indent=1, ensure_ascii=True, allow_nan=False).encode()
+        data = json.dumps(fields, indent=1, ensure_ascii=True, allow_nan=False).encode()
+        if len(data) > MAX_MANIFEST_BYTES:  # the reader's limit: never commit what cannot be read back
+            raise ManifestError(f"{MANIFEST} would take {len(data):,} bytes, more than {MAX_MANIFEST_BYTES:,}")
+        return data
 
 
 def _field(fields: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

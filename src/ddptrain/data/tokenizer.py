@@ -17,6 +17,7 @@ import numpy as np
 
 from ddptrain.data.meta import MAX_VOCAB
 from ddptrain.errors import ConfigError, DataError
+from ddptrain.safe_files import read_regular_file
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -111,13 +112,17 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=False))
 
 
-def load_tokenizer_file(path: Path) -> Tokenizer:
-    """A `tokenizer.json` from disk; its EOS is the `<|endoftext|>` token, else its last special token."""
+def load_tokenizer_file(path: Path, expected_sha256: str | None = None) -> Tokenizer:
+    """A `tokenizer.json` from disk; its EOS is the `<|endoftext|>` token, else its last special token.
+
+    expected_sha256: what meta.json recorded; the bytes are read once, checked against it and parsed (DataError
+    naming the file on a mismatch: a tokenizer swapped after training would silently change every token)."""
     require_hf(f"tokenizer {path}")
     from tokenizers import Tokenizer as HFTokenizer
 
+    text = None if expected_sha256 is None else _read_checked(path, expected_sha256)
     try:
-        hf = HFTokenizer.from_file(str(path))
+        hf = HFTokenizer.from_file(str(path)) if text is None else HFTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises plain Exception subclasses for malformed files
         raise DataError(f"cannot load tokenizer {path}: {e}") from None
     eos_id = hf.token_to_id(EOS_TOKEN)
@@ -130,6 +135,20 @@ def load_tokenizer_file(path: Path) -> Tokenizer:
     if vocab_size > MAX_VOCAB:  # what meta.json may declare (data/meta.py says why)
         raise DataError(f"tokenizer {path} has {vocab_size} tokens, more than the {MAX_VOCAB} a corpus may have")
     return Tokenizer(hf, vocab_size, eos_id)
+
+
+def _read_checked(path: Path, expected_sha256: str) -> str:
+    """The text of the file at path, read once, when its SHA-256 is expected_sha256; DataError otherwise."""
+    try:
+        data = read_regular_file(path, follow=True)  # a FIFO is refused, never waited on
+    except OSError as e:
+        raise DataError(f"cannot read tokenizer {path}: {e.strerror or e}") from None
+    if hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise DataError(
+            f"tokenizer {path} does not match the SHA-256 its meta.json records (replaced after the corpus was "
+            "prepared?); restore it, or prepare the corpus again"
+        )
+    return data.decode("utf-8", errors="replace")
 
 
 def train_bpe(docs: Iterable[bytes], vocab_size: int, out: Path) -> Path:

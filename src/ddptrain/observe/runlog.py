@@ -3,8 +3,9 @@
 Code logs through `logging.getLogger(__name__)` at the level it means (info, warning, error).
 While a run is set up (`run_logging`), two handlers hang on the "ddptrain" logger:
 
-* rank 0's console: plain lines on stdout, written through tqdm so that they never break the
-  progress bar; warnings and errors read "warning: ..." and "error: ...";
+* rank 0's console: progress lines on stdout, warnings and errors ("warning: ...", "error: ...")
+  on stderr, where a failed command's reason belongs (a run that exits 1 says why there); all
+  written through tqdm so that they never break the progress bar;
 * every rank's file `run.dir/logs/rank-<r>.log`: the same records with time, rank and level, and
   any uncaught exception with its traceback. Only rank 0 prints, so a warning on rank 7 would
   otherwise be lost in a launcher's interleaved output.
@@ -57,7 +58,10 @@ class _OneComplaint:
 
 
 class ConsoleHandler(_OneComplaint, logging.Handler):
-    """Rank 0's terminal: one plain line per record, through tqdm.write (safe beside a progress bar)."""
+    """Rank 0's terminal: one plain line per record, through tqdm.write (safe beside a progress bar).
+
+    stream: where every record goes; None: info to stdout, warnings and errors to stderr.
+    """
 
     def __init__(self, stream: TextIO | None = None) -> None:
         super().__init__(logging.INFO)
@@ -67,7 +71,7 @@ class ConsoleHandler(_OneComplaint, logging.Handler):
         return getattr(record, "console", True) and super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        stream = self.stream or sys.stdout
+        stream = self.stream or (sys.stderr if record.levelno >= logging.WARNING else sys.stdout)
         try:
             text = _PREFIX.get(record.levelno, "") + record.getMessage()
             tqdm.write(text, file=stream)
@@ -132,7 +136,8 @@ def stop_rank_files() -> None:
 
 
 def console_handler(stream: TextIO | None = None) -> ConsoleHandler:
-    """A console handler (stdout by default), for rank 0 or a command that wants log lines shown."""
+    """A console handler (info to stdout, warnings and errors to stderr by default), for rank 0 or a command
+    that wants log lines shown."""
     return ConsoleHandler(stream)
 
 
