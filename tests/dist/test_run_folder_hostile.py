@@ -17,7 +17,9 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -227,3 +229,63 @@ def test_checkpoints_that_is_not_a_folder_is_refused_before_training(
     assert r.returncode == 2
     assert f"{run_dir / 'checkpoints'} is not a folder" in one_error_line(r)
     assert not (run_dir / "certificate.jsonl").exists() and "step 1" not in r.stdout  # not one step trained
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (root only: skipped where mounting is not permitted), unmounted afterwards."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Write a filler file until the disk is full."""
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.timeout(180)
+def test_a_disk_that_fills_up_mid_run_stops_it_naming_the_file_and_step(
+    corpus_dir: Path, small_disk: Path
+) -> None:
+    run_dir = small_disk / "run"
+    args = [*TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}", "train.max_steps=100000", "ckpt.every_steps=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_for_subprocess(),
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 5:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        fill(small_disk)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, (out[-2000:], err)
+    errors = [line for line in err.splitlines() if " error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"cannot write the resume certificate {run_dir / 'certificate.jsonl'} at step " in errors[0], errors
+    assert "No space left on device" in errors[0]
+    assert not (run_dir / ".lease").exists()  # released: the next run need not wait for it to go stale
