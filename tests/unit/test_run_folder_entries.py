@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from ddptrain.errors import UserError
 from ddptrain.observe import forensics
-from ddptrain.observe.certificate import CertificateWriter
+from ddptrain.observe.certificate import CertificateWriter, read_certificate
 from ddptrain.observe.metrics import MetricsWriter
 from ddptrain.observe.trackers.state import TrackerState
-from ddptrain.observe.verdict import FORENSICS
+from ddptrain.observe.verdict import FORENSICS, verdict
 from ddptrain.safe_files import (
     check_regular_or_absent,
     ensure_dir,
@@ -197,3 +197,16 @@ def test_hang_and_divergence_forensics_never_write_through_a_planted_entry(entry
             assert (run / entry).read_text().startswith("{")
         else:
             assert isinstance(own, OSError), own
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to file"])
+def test_triage_and_verify_resume_readers_never_wait_on_a_fifo(kind: str) -> None:
+    with run_folder() as (run, victims):
+        (victims / "victim.txt").write_bytes(PRECIOUS)
+        for name in ("rank-0-host.json", FORENSICS):
+            make(run / "stacks" / name, kind, victims)
+        refused = bounded(lambda: verdict(run / "stacks"))
+        assert isinstance(refused, UserError) and "no hang reports" in str(refused), refused
+        make(run / "certificate.jsonl", kind, victims)
+        read = bounded(lambda: read_certificate(run / "certificate.jsonl"))
+        assert isinstance(read, OSError) if kind == "fifo" else read == {}, read

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import UserError
 from ddptrain.observe.digest import named_state, state_digests
-from ddptrain.safe_files import check_regular_or_absent, open_append_no_follow
+from ddptrain.safe_files import check_regular_or_absent, open_append_no_follow, read_regular_file
 
 FILE = "certificate.jsonl"
 
@@ -137,7 +137,8 @@ class CertificateWriter:
 def read_certificate(path: Path) -> dict[int, list[dict[str, Any]]]:
     """Records by step, in file order: a run resumed after a crash logs the steps after its checkpoint again."""
     out: dict[int, list[dict[str, Any]]] = {}
-    for line in path.read_text().splitlines():
+    text = read_regular_file(path, follow=True).decode("utf-8", errors="replace")  # a FIFO: OSError, never a wait
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
