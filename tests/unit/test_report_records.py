@@ -75,7 +75,7 @@ def test_the_unmutated_file_reports(tmp_path: Path) -> None:
     assert "attempts:" in full_report_text(write(tmp_path, BASE))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(index=st.integers(0, len(BASE) - 1), key=st.sampled_from(FIELDS), value=JSON, drop=st.booleans())
 def test_any_mutated_field_reports_or_names_its_line(
     tmp_path: Path, index: int, key: str, value: Any, drop: bool
