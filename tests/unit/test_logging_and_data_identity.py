@@ -21,8 +21,11 @@ FULL = Path("/dev/full")  # every write fails with ENOSPC
 
 
 @pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
-def test_a_full_disk_while_logging_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    handler = RankFileHandler(FULL)
+def test_a_full_disk_while_logging_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    handler = RankFileHandler(tmp_path / "rank-0.log")  # a device in the run folder is refused: swap it in after
+    handler.stream.close()
+    handler.stream = open(FULL, "a")  # noqa: SIM115 - the handler closes it
+    handler.baseFilename = str(FULL)
     PACKAGE_LOG.addHandler(handler)
     try:
         for i in range(150):

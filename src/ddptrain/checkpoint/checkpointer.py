@@ -342,6 +342,11 @@ class Checkpointer:
                 f"{self.dir} is a symbolic link; ddptrain never writes through links inside run.dir: "
                 "make it a real folder (or point run.dir itself elsewhere)"
             )
+        if os.path.lexists(self.dir) and not self.dir.is_dir():  # before training, not at the first save
+            raise CheckpointError(
+                f"{self.dir} is not a folder (a file, FIFO or socket has its name): move it away so that "
+                "checkpoints can be saved there"
+            )
         existing = committed_checkpoints(self.dir)
         if self.cfg.resume == "never":
             self._clear_for_fresh_start(existing, warn)

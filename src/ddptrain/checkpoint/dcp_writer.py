@@ -41,13 +41,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, disk_name
 from ddptrain.checkpoint.writer import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.errors import CheckpointError
+from ddptrain.safe_files import open_regular
 
 if TYPE_CHECKING:
     from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
 
 TRAINER = "trainer.pt"
 SHARDED_KEYS = ("model", "optimizer")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @contextmanager
@@ -61,8 +61,7 @@ def _one_process_is_meant() -> Iterator[None]:
 def hash_file(path: Path) -> FileEntry:
     """SHA-256 and size of a file this rank just wrote (never through a link)."""
     sha, size = hashlib.sha256(), 0
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb", buffering=0) as f:
         while chunk := f.read(4 << 20):
             sha.update(chunk)
             size += len(chunk)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +34,8 @@ from ddptrain.checkpoint.manifest import (
 )
 from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter
 from ddptrain.errors import CheckpointError
-from ddptrain.safe_files import read_bytes_no_follow
+from ddptrain.safe_files import open_regular, read_bytes_no_follow
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CHUNK = 4 << 20
 _MAX_THREADS = 8
 
@@ -164,15 +162,13 @@ def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter
     on_disk = disk_name(name)
     shown = name if on_disk == name else f"{on_disk} (listed as {name})"  # messages name the file a user sees
     try:
-        fd = os.open(path / on_disk, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path / on_disk, os.O_RDONLY)  # a FIFO in its place is refused, never waited on
     except FileNotFoundError:
         raise CheckpointError(f"file {shown} is missing") from None
     except OSError as e:
         raise CheckpointError(f"file {shown} is not a readable regular file ({e.strerror or e})") from None
     with os.fdopen(fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"file {shown} is not a readable regular file (not a regular file)")
         if st.st_size != entry.size:
             raise CheckpointError(f"file {shown} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)")
         reader = HashingReader(f, entry.size)

@@ -14,14 +14,16 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.errors import UserError
 from ddptrain.observe.digest import named_state, state_digests
+from ddptrain.safe_files import check_regular_or_absent, open_append_no_follow, read_regular_file
 
 FILE = "certificate.jsonl"
 
@@ -88,33 +90,55 @@ def certificate_record(
 
 
 class CertificateWriter:
-    """Rank 0 appends certificate records to run.dir/certificate.jsonl (others do nothing)."""
+    """Rank 0 appends certificate records to run.dir/certificate.jsonl (others do nothing).
+
+    A link, FIFO or folder under the file's name is refused when the writer is made (before training,
+    exit 2) and again when the file is opened: never followed, never waited on.
+    """
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
         self.path = run_dir / FILE
-        self._file: TextIO | None = None
+        self._file: IO[str] | None = None
+        if enabled:
+            try:
+                check_regular_or_absent(self.path)  # not created yet: a refused run leaves the folder as it was
+            except OSError as e:
+                raise UserError(f"cannot write the resume certificate {self.path}: {e.strerror or e}") from None
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (line-buffered: a crash loses at most this line)."""
+        """Append one record (line-buffered: a crash loses at most this line).
+
+        A failed write (a full disk, a link planted mid-run) is bad input naming the file and the step.
+        """
         if not self.enabled:
             return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            if self._file is None:
+                self._file = open_append_no_follow(self.path, buffering=1)
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self.enabled = False  # nothing more is tried, closing included: the disk already refused
+            self._file = None
+            raise UserError(
+                f"cannot write the resume certificate {self.path} at step {record.get('step')}: {e.strerror or e}"
+            ) from None
 
     def close(self) -> None:
-        """Close the file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file (a full disk's failed flush was reported by write, or is dropped here)."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
 
 def read_certificate(path: Path) -> dict[int, list[dict[str, Any]]]:
     """Records by step, in file order: a run resumed after a crash logs the steps after its checkpoint again."""
     out: dict[int, list[dict[str, Any]]] = {}
-    for line in path.read_text().splitlines():
+    text = read_regular_file(path, follow=True).decode("utf-8", errors="replace")  # a FIFO: OSError, never a wait
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddptrain.safe_files import ensure_dir, open_append_no_follow, open_new_no_follow, write_text_replace
+
 FR_ENTRIES = 2000  # collectives kept per process in the flight recorder's ring buffer
 _FR_KEPT = 64  # newest entries written per rank
 _PY_SPY_TIMEOUT_S = 20.0
@@ -141,8 +143,12 @@ def write_own(
     facts: dict[str, Any],
     native: bool = True,
 ) -> Path:
-    """This rank's forensics (called from the watchdog thread while the main thread is stuck)."""
-    stacks_dir.mkdir(parents=True, exist_ok=True)
+    """This rank's forensics (called from the watchdog thread while the main thread is stuck).
+
+    Never through a planted link: the folder must be a real one directly in run.dir, the .txt is appended
+    no-follow (a link or FIFO refused), the .json replaced (a link under its name removed, not followed).
+    """
+    ensure_dir(stacks_dir, stacks_dir.parent)
     stem = stacks_dir / stacks_name(rank, host)
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident or -1)
@@ -157,7 +163,7 @@ def write_own(
         "groups": group_names(train_group),
         "flight_recorder": flight_recorder(backend),
     }
-    with open(stem.with_suffix(".txt"), "a") as f:
+    with open_append_no_follow(stem.with_suffix(".txt")) as f:
         f.write(
             f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: hang in {facts.get('phase')} of step "
             f"{facts.get('step')}, no progress for {facts.get('waited_s', 0):.1f} s\n--- Python, all threads:\n"
@@ -166,9 +172,7 @@ def write_own(
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.write("--- native (py-spy dump --native):\n")
         f.write(py_spy(os.getpid(), native) + "\n")
-    tmp = stem.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(stem.with_suffix(".json"))  # readers never see half a report
+    write_text_replace(stem.with_suffix(".json"), json.dumps(report, indent=1))  # never half a report
     return stem.with_suffix(".json")
 
 
@@ -186,9 +190,11 @@ def observe_silent(stacks_dir: Path, me: int, hosts: list[str], pids: list[int],
             continue
         path = stacks_dir / f"{stacks_name(r, hosts[r])}.observed.json"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # one observer per silent rank
+            f = open_new_no_follow(path)  # one observer per silent rank
         except FileExistsError:
             continue
+        except OSError:
+            continue  # a planted link under a deeper name: nothing is written through it
         state = process_state(pids[r])
         observed = {
             "rank": r,
@@ -200,6 +206,6 @@ def observe_silent(stacks_dir: Path, me: int, hosts: list[str], pids: list[int],
             "wchan": thread_wait_channel(pids[r], pids[r]) if state else None,
             "py_spy": py_spy(pids[r], native=False) if state not in (None, "Z") else None,
         }
-        with os.fdopen(fd, "w") as f:
-            json.dump(observed, f, indent=1)
+        with f:
+            f.write(json.dumps(observed, indent=1).encode())
     return silent

@@ -62,7 +62,8 @@ class MetricsWriter:
         except OSError as e:
             # A full or read-only disk: say so once and keep training (the checkpoints report
             # their own failures), instead of failing on every record from here on.
-            log.warning("cannot write %s (%s); metrics are not recorded from here on", self.path, e.strerror or e)
+            at = f" at step {record['step']}" if "step" in record else ""
+            log.warning("cannot write %s%s (%s); metrics are not recorded from here on", self.path, at, e.strerror or e)
             self._close_file()
             return
         for sink in self.sinks:

@@ -11,7 +11,6 @@ throughput is given per world-size segment, and the goodput figure shows where t
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,66 +30,11 @@ from ddptrain.observe.diagnostic_events import (  # noqa: E402
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
+from ddptrain.observe.records import PHASES, read_records  # noqa: E402
 from ddptrain.observe.story import Goodput, Story, goodput, tell  # noqa: E402
+from ddptrain.safe_files import ensure_dir, read_regular_file, replacing, write_text_replace  # noqa: E402
 
-_PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
-
-
-def read_records(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    """(records, last line was cut off). DataError when missing, empty or malformed before the end."""
-    if not path.is_file():
-        raise DataError(f"no metrics file at {path}: is this a run folder (run.dir)?")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    records, truncated = [], False
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or "kind" not in record:
-                raise ValueError("not a metrics record (a JSON object with a 'kind')")
-            _check_fields(record)
-        except ValueError as e:
-            if i == len(lines):  # the run died while writing its last line
-                truncated = True
-                break
-            raise DataError(f"{path} line {i} is malformed ({e}); only a cut-off last line is tolerated") from None
-        records.append(record)
-    if not any(r["kind"] == "train" for r in records):
-        what = "is empty" if not records else "has no training records yet"
-        raise DataError(f"{path} {what}: nothing to report (training logs every log.every_steps steps)")
-    return records, truncated
-
-
-# The fields the summary and the plots read, per record kind: number, list of numbers or text.
-_REQUIRED = {
-    "train": {"step": "int", "loss": "value", "step_time_s": "number", "samples_per_s": "number"},
-    "eval": {"step": "int", "val_loss": "value"},
-    "ranks": {"step": "int", "local_step_s": "numbers"},
-    "event": {"event": "text", "step": "int"},
-}
-
-
-def _check_fields(record: dict[str, Any]) -> None:
-    """ValueError naming the first missing or mistyped field the report needs."""
-    for key, kind in _REQUIRED.get(record["kind"], {}).items():
-        value = record.get(key)
-        ok = {
-            "int": isinstance(value, int) and not isinstance(value, bool),
-            "number": _is_number(value),
-            "value": _is_number(value) or isinstance(value, str),  # non-finite values are stored as text
-            "numbers": isinstance(value, list) and all(map(_is_number, value)),
-            "text": isinstance(value, str),
-        }[kind]
-        if not ok:
-            raise ValueError(f"a {record['kind']!r} record without a valid {key!r} (got {value!r})")
-    for key in ("samples_per_s", "tokens_per_s", "mfu", "flops_per_s_per_device", "peak_mem_mb", *_PHASES):
-        if record["kind"] == "train" and key in record and not _is_number(record[key]):
-            raise ValueError(f"a 'train' record whose {key!r} is not a number (got {record[key]!r})")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+__all__ = ["EVENT_STYLE", "event_marks", "read_records", "report"]
 
 
 def _of(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -170,7 +114,7 @@ def _run_info(run_dir: Path, story: Story) -> RunInfo:
     train = _of(story.kept, "train")
     name = run_dir.name
     try:
-        name = str(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["name"])
+        name = str(_config(run_dir)["run"]["name"])
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         pass
     return RunInfo(name, sizes, train[-1].get("global_batch_size", "?") if train else "?")
@@ -228,8 +172,16 @@ def _save(fig: Any, ax: Any, story: Story, path: Path) -> Path:
     if handles:
         ax.legend(handles=handles, fontsize="small", loc="best")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return _write_png(fig, path)
+
+
+def _write_png(fig: Any, path: Path) -> Path:
+    """Render into a fresh temp file, then rename over path: a link planted at path is replaced, never followed."""
+    try:
+        with replacing(path) as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -289,7 +241,7 @@ def plot_all(run_dir: Path, story: Story, out: Path) -> list[Path]:
             rows = [x for x in ranks if r < len(x["local_step_s"])]
             ax.plot([x["step"] for x in rows], [x["local_step_s"][r] for x in rows], "o-", label=f"rank {r} local")
     else:
-        for phase in _PHASES:
+        for phase in PHASES:
             ax.plot(*_series(train, phase), label=phase.removesuffix("_s"))
     paths.append(_save(fig, ax, story, out / "step_time.png"))
 
@@ -311,9 +263,7 @@ def _plot_goodput(info: RunInfo, g: Goodput, path: Path) -> Path:
     ax.set_title(info.title(f"goodput {100 * g.ratio:.1f}%"), fontsize=11)
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _write_png(fig, path)
 
 
 def _num(value: Any) -> str:
@@ -321,9 +271,14 @@ def _num(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
+def _config(run_dir: Path) -> Any:
+    """run.dir/config.yaml as parsed YAML (OSError for a FIFO or other non-file: never waited on)."""
+    return yaml.safe_load(read_regular_file(run_dir / "config.yaml", follow=True))
+
+
 def _max_steps(run_dir: Path) -> int | None:
     try:
-        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"])
+        return int(_config(run_dir)["train"]["max_steps"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
         return None
 
@@ -417,7 +372,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
         lines.append(f"MFU: n/a (device peak unknown); achieved {flops / 1e9:,.2f} GFLOP/s per device")
     phases = {
         p: fmean(r[p] for r in steady_all if p in r)
-        for p in (*_PHASES, "exposed_comm_s")
+        for p in (*PHASES, "exposed_comm_s")
         if any(p in r for r in steady_all)
     }
     if phases:
@@ -443,11 +398,17 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
 def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     """Write the plots and summary.txt into out (default run_dir/report); returns (summary, files)."""
     records, truncated = read_records(run_dir / "metrics.jsonl")
-    out = out or run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    if out is None:
+        out = run_dir / "report"
+        try:
+            ensure_dir(out, run_dir)  # a link planted as run.dir/report is refused, never followed
+        except OSError as e:
+            raise DataError(f"cannot write the report into {out}: {e.strerror or e}") from None
+    else:
+        out.mkdir(parents=True, exist_ok=True)  # the user's own --out: where they point it
     max_steps = _max_steps(run_dir)
     last_train = _of(records, "train")[-1]["step"]
     story = tell(records, finished=max_steps is not None and last_train >= max_steps)
     summary = summarize(run_dir, records, truncated, story)
-    (out / "summary.txt").write_text(summary + "\n")
+    write_text_replace(out / "summary.txt", summary + "\n")  # a link planted there is replaced, not followed
     return summary, [*plot_all(run_dir, story, out), out / "summary.txt"]

@@ -32,10 +32,11 @@ import torch.distributed as dist
 
 from ddptrain import streams
 from ddptrain.dist import DistContext, broadcast_object
-from ddptrain.errors import EXIT_FAILURE, RankFailure
+from ddptrain.errors import EXIT_FAILURE, RankFailure, UserError
 from ddptrain.observe import forensics
 from ddptrain.observe.runlog import PACKAGE_LOG
 from ddptrain.observe.watchdog import Budgets, Hang, HangWatchdog
+from ddptrain.safe_files import ensure_dir, open_append_no_follow
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class Triage:
         self.hosts = list(ctx.hosts) or [ctx.hostname]
         self.stacks_dir = run_dir / "stacks"
         self.path = self.stacks_dir / f"{forensics.stacks_name(ctx.rank, ctx.hostname)}.txt"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")  # faulthandler needs a real file descriptor up front
+        try:  # faulthandler needs a real file descriptor up front; a planted link or FIFO is refused here
+            ensure_dir(self.stacks_dir, run_dir)
+            self._file = open_append_no_follow(self.path)
+        except OSError as e:
+            raise UserError(f"cannot write the run's stacks file {self.path}: {e.strerror or e}") from None
         self._prefix = ""
         self.pids: list[int] = [os.getpid()]
         self._events = events

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.errors import UserError
+from ddptrain.safe_files import read_regular_file
 
 FORENSICS = "replicas.json"  # train/replicas.py: the verdict of replicas that diverged
 
@@ -37,12 +38,18 @@ class OpenCollective:
     missing: list[int]
 
 
-def _load(path: Path) -> dict[str, Any] | None:
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a regular file (a link or FIFO under the name is skipped, never followed or waited on)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_regular_file(path))
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("rank"), int) else None
+    return data if isinstance(data, dict) else None
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    data = _json_object(path)
+    return data if data is not None and isinstance(data.get("rank"), int) else None
 
 
 def read_stacks(stacks_dir: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
@@ -185,8 +192,8 @@ def verdict(stacks_dir: Path) -> str:
     if not stacks_dir.is_dir():
         raise TriageError(f"no {stacks_dir} folder: this run recorded no hang (the watchdog writes it on a hang)")
     reports, observed = read_stacks(stacks_dir)
-    if not reports and not observed and (stacks_dir / FORENSICS).is_file():
-        diverged = json.loads((stacks_dir / FORENSICS).read_text())
+    diverged = _json_object(stacks_dir / FORENSICS)
+    if not reports and not observed and diverged is not None:
         return f"verdict: {diverged.get('verdict')}\ndetails: {stacks_dir / FORENSICS}"
     if not reports and not observed:
         raise TriageError(f"no hang reports (rank-*.json) in {stacks_dir}: nothing to triage")

@@ -16,6 +16,7 @@ holds no replicas (every rank a different shard): not checked.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,9 @@ from ddptrain.dist import DistContext
 from ddptrain.errors import TrainingStopped
 from ddptrain.observe.digest import combine, named_state, state_digests
 from ddptrain.observe.verdict import FORENSICS
+from ddptrain.safe_files import ensure_dir, write_text_replace
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaDivergence(TrainingStopped):
@@ -167,5 +171,8 @@ class ReplicaCheck:
 
 def write_forensics(stacks_dir: Path, record: dict[str, Any]) -> None:
     """Rank 0: the verdict beside the hang forensics, for `ddptrain triage` (observe/verdict.py reads it)."""
-    stacks_dir.mkdir(parents=True, exist_ok=True)
-    (stacks_dir / FORENSICS).write_text(json.dumps(record, indent=1) + "\n")
+    try:
+        ensure_dir(stacks_dir, stacks_dir.parent)  # a real folder in run.dir, never a planted link
+        write_text_replace(stacks_dir / FORENSICS, json.dumps(record, indent=1) + "\n")  # a link there is replaced
+    except OSError as e:  # the divergence still stops the run: its verdict is in metrics.jsonl and the log
+        log.warning("cannot write %s (%s)", stacks_dir / FORENSICS, e.strerror or e)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ddptrain.observe.trackers.base import StartInfo, Tracker, Update, lifecycle_tags, record_points, record_series
 from ddptrain.observe.trackers.state import TrackerState
+from ddptrain.safe_files import read_regular_file
 
 BATCH = 200  # records per delivery at most (MLflow takes 1,000 metrics per call; ddptrain chunks anyway)
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0
@@ -37,8 +38,10 @@ class Backlog:
         """Metric records (not lifecycle events) at steps <= up_to_step, in file order; a torn line is skipped."""
         if self.n_bytes <= 0:
             return []
-        with open(self.path, "rb") as f:
-            lines = f.read(self.n_bytes).splitlines()
+        try:  # the file this run appends to (opened no-follow, a regular file): read it the same way
+            lines = read_regular_file(self.path, self.n_bytes)[: self.n_bytes].splitlines()
+        except OSError:
+            return []
         out = []
         for line in lines:
             try:

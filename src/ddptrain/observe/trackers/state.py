@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.errors import ConfigError
-from ddptrain.safe_files import write_text_replace
+from ddptrain.safe_files import read_regular_file, write_text_replace
 
 FILE_NAME = "trackers.json"
 
@@ -108,8 +108,8 @@ def _read(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        data = json.loads(read_regular_file(path))  # a FIFO under the name is refused, never waited on
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(
             f"{path} is not readable JSON ({e}); fix or delete it (a new tracker run is then started)"
         ) from None
