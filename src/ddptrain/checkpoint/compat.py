@@ -18,7 +18,8 @@ from typing import Any
 import torch.nn as nn
 
 from ddptrain.data.corpus import corpus_fingerprint
-from ddptrain.errors import CheckpointError
+from ddptrain.data.meta import read_meta_file
+from ddptrain.errors import CheckpointError, DataError
 
 GPT_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 _STREAM_KEYS = (("train", "global_batch_size"), ("run", "seed"))
@@ -57,10 +58,9 @@ def data_identity(config: dict[str, Any], live_datasets: bool) -> dict[str, Any]
         return {"source": "live"}
     if data.get("target"):
         return {"source": "target", "target": data["target"], "kwargs": data.get("kwargs", {})}
-    try:
-        meta = json.loads((Path(data.get("dir", "")) / "meta.json").read_text())
-        sha = corpus_fingerprint(meta) if isinstance(meta, dict) else None
-    except (OSError, ValueError, AttributeError):
+    try:  # the same bounded, non-blocking, validated read as the data's own
+        sha = corpus_fingerprint(read_meta_file(Path(data.get("dir", ""))))
+    except (DataError, OSError):
         sha = None
     return {"source": "corpus", "sha256": sha}
 
