@@ -29,6 +29,7 @@ FIGURES = [
     "overlap",
     "checkpoint",
     "checkpoint_ranks",
+    "hashes",
     "replicas",
     "fsdp",
     "data",

@@ -1,5 +1,6 @@
 """Single-GPU figures: matmul ceiling, GPT-2 124M throughput and MFU, ddptrain vs a raw loop,
-1-rank NCCL DDP and FSDP2 vs neither, and checkpoint save/load of the full training state. About 3-5 minutes.
+1-rank NCCL DDP and FSDP2 vs neither, checkpoint save/load of the full training state, and the checksums'
+speed on this machine's CPU (bench/hashes.py: SHA-256, BLAKE3 one thread and all cores, xxh3_128). About 3-5 minutes.
 
     python bench/gpu.py --out DIR            # on a machine with one CUDA GPU; writes DIR/gpu-<date>.json
     python bench/gpu.py --smoke --out DIR    # a tiny model on the CPU: checks that the script runs
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import summary  # noqa: E402
+from bench.hashes import machine_report  # noqa: E402
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint  # noqa: E402
 from ddptrain.config import Config, load_config  # noqa: E402
 from ddptrain.dist import DistContext  # noqa: E402
@@ -314,6 +316,13 @@ def checkpoint(b: Bench, trainer: Trainer, run: Path) -> dict[str, Any]:
     return res
 
 
+def _hash_line(hashes: dict[str, Any]) -> str:
+    """GB/s of each checksum on the largest buffer measured."""
+    size = max((k for k in hashes if k.endswith("MB")), key=lambda k: int(k[:-2]))
+    speeds = ", ".join(f"{name} {v['GBps']['median']:.2f}" for name, v in hashes[size].items())
+    return f"hash GB/s ({size}): {speeds}"
+
+
 def main() -> int:
     """Run every figure and write DIR/gpu-<date>.json."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -356,6 +365,9 @@ def main() -> int:
     result["checkpoint"] = checkpoint(b, trainer, run)
     trainer.metrics.close()
     shutil.rmtree(run, ignore_errors=True)
+    t0 = time.perf_counter()
+    result["hashes"] = machine_report(rounds=b.rounds + 1, smoke=args.smoke)  # the host CPU's, as checkpoints hash
+    print(f"hashes: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     result["wall_s"] = time.perf_counter() - t_all
     result["targets"] = {
         "mfu_compiled >= 0.40": result["gpt2"]["compiled"]["mfu"]["median"] >= 0.40,
@@ -374,7 +386,8 @@ def main() -> int:
         f"FSDP (1 rank) {result['fsdp']['overhead']['median']:+.1%}; "
         f"save sync {result['checkpoint']['sync']['blocked_s']['median']:.2f} s, async blocked "
         f"{result['checkpoint']['async']['blocked_s']['median']:.2f} s, load {result['checkpoint']['load_s']['median']:.2f} s "
-        f"({result['checkpoint']['state_GB']:.2f} GB); {result['wall_s']:.0f} s in all -> {out}"
+        f"({result['checkpoint']['state_GB']:.2f} GB); {_hash_line(result['hashes'])}; "
+        f"{result['wall_s']:.0f} s in all -> {out}"
     )
     return 0
 

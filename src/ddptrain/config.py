@@ -313,6 +313,10 @@ class CkptConfig(_Section):
         le=MAX_TIMEOUT_S,
         description="How long ranks wait for each other's checkpoint writes before the save fails.",
     )
+    hash: Literal["blake3", "sha256"] = Field(
+        "blake3",
+        description="Checksum of every checkpoint file, named in its manifest: blake3 (cryptographic, several times faster) or sha256 (e.g. where a rule requires it); resume reads either.",
+    )
 
 
 class LogConfig(_Section):

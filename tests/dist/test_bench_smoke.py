@@ -39,6 +39,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "overlap",
         "checkpoint",
         "checkpoint (2 ranks)",
+        "hashes",
         "replica check",
         "fsdp (2 ranks)",
         "data",
@@ -68,4 +69,4 @@ def test_gpu_script_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (result_file,) = tmp_path.glob("gpu-*.json")
     result = json.loads(result_file.read_text())
-    assert {"matmul", "gpt2", "trainer_vs_raw", "ddp", "fsdp", "checkpoint"} <= set(result)
+    assert {"matmul", "gpt2", "trainer_vs_raw", "ddp", "fsdp", "checkpoint", "hashes"} <= set(result)

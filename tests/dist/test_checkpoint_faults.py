@@ -96,7 +96,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint_and_refuses_all_bad(tiny_ar
     newest.write_bytes(bytes(data))
     again = run_ddptrain(["train", *tiny_args, "train.max_steps=7"])
     assert again.returncode == 0, again.stderr
-    assert "checkpoint rejected: step-00000006: file tensors-0-of-2.bin does not match its SHA-256" in again.stderr
+    assert "checkpoint rejected: step-00000006: file tensors-0-of-2.bin does not match its BLAKE3" in again.stderr
     assert "resuming from" in again.stdout and "step-00000003 (step 3" in again.stdout
 
     for folder in (run_dir / "checkpoints").glob("step-*"):

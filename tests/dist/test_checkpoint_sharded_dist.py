@@ -28,7 +28,7 @@ def test_two_ranks_save_their_shares_and_any_world_size_resumes_identically_past
 ) -> None:
     # Saves steps 1 and 2, flips a byte of rank 1's part of step 2, resumes at world size 2.
     out = worker(2, "save", tmp_path)
-    assert "checkpoint rejected: step-00000002: file tensors-3-of-4.bin does not match its SHA-256" in out
+    assert "checkpoint rejected: step-00000002: file tensors-3-of-4.bin does not match its BLAKE3" in out
     folder = tmp_path / "checkpoints" / "step-00000001"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["writer"] == "sharded" and manifest["world_size"] == 2

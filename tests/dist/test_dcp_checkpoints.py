@@ -103,9 +103,9 @@ def test_a_flipped_byte_in_any_dcp_file_is_rejected(corpus_dir: Path, tmp_path: 
     flip(four / "__1_0.distcp", (four / "__1_0.distcp").stat().st_size // 2)
     second = run_ddptrain([*base, "train.max_steps=8"], nproc=2)
     assert second.returncode == 0, second.stderr
-    out = second.stdout
-    assert "step-00000006: file .metadata (listed as dcp.metadata) does not match its SHA-256" in out
-    assert "step-00000004: file __1_0.distcp does not match its SHA-256" in out
+    out, err = second.stdout, second.stderr  # progress on stdout, warnings on stderr
+    assert "step-00000006: file .metadata (listed as dcp.metadata) does not match its BLAKE3" in err
+    assert "step-00000004: file __1_0.distcp does not match its BLAKE3" in err
     assert "resuming from" in out and "step-00000002 (step 2" in out
     assert not partial.exists()  # removed at set-up, never loaded
     resumed = [m["step"] for m in read_metrics(run_dir)]

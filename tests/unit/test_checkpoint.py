@@ -104,7 +104,7 @@ def invalid_utf8(folder: Path) -> None:
     ("corrupt", "reason"),
     [
         (corrupt_truncate, "model.pt has"),
-        (corrupt_flip_one_bit, "model.pt does not match its SHA-256"),
+        (corrupt_flip_one_bit, "model.pt does not match its BLAKE3"),
         (corrupt_delete_manifest, "manifest.json is missing"),
         (corrupt_delete_file, "rng-rank0.pt is missing"),
         (flip_world_size_digit, "does not match its own checksum"),
@@ -115,7 +115,7 @@ def invalid_utf8(folder: Path) -> None:
         (lambda f: edit_manifest(f, lambda m: m.update(world_size=True)), "'world_size' is a bool"),
         (lambda f: edit_manifest(f, lambda m: m.pop("timeline")), "has no 'timeline'"),
         (lambda f: edit_manifest(f, lambda m: m.update(files=[])), "'files' is a list"),
-        (lambda f: edit_manifest(f, lambda m: m["files"].update({"model.pt": {"sha256": 5, "size": 1}})), "malformed"),
+        (lambda f: edit_manifest(f, lambda m: m["files"].update({"model.pt": {"digest": 5, "size": 1}})), "malformed"),
         (lambda f: (f / "manifest.json").write_text("[1, 2]"), "not a JSON object"),
         (lambda f: (f / "manifest.json").write_text('{"format": NaN}'), "not valid JSON"),
         (lambda f: edit_manifest(f, lambda m: m.update(format=1), rechecksum=False), "format 1"),
@@ -142,7 +142,7 @@ def test_names_outside_the_folder_are_rejected_without_touching_them(tmp_path: P
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"x" * 1234)
     newest = tmp_path / "checkpoints" / "step-00000006"
-    edit_manifest(newest, lambda m: m["files"].update({name: {"sha256": "0" * 64, "size": 1234}}))
+    edit_manifest(newest, lambda m: m["files"].update({name: {"digest": "0" * 64, "size": 1234}}))
     with pytest.raises(CheckpointError, match="not a plain file name") as e:
         verify_checkpoint(newest)
     assert "1234" not in str(e.value)  # no other file's size leaks
@@ -169,7 +169,7 @@ def test_load_refuses_unlisted_files_and_bytes_changed_after_verification(tmp_pa
     corrupt_flip_one_bit(folder)
     # The verified checkpoint holds the bytes it verified: a later change cannot reach the state.
     assert torch.equal(ckpt.load("model.pt")["w"], state(3)[0]["model"]["w"])
-    with pytest.raises(CheckpointError, match="changed after it was verified.*model.pt does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match="changed after it was verified.*model.pt does not match its BLAKE3"):
         named_only.load("model.pt")
 
 
@@ -189,7 +189,7 @@ def test_resume_modes(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         make(tmp_path, resume=str(tmp_path / "nope")).find_resume(print)
     corrupt_flip_one_bit(path)
-    with pytest.raises(CheckpointError, match="SHA-256"):
+    with pytest.raises(CheckpointError, match="BLAKE3"):
         make(tmp_path, resume=str(path)).find_resume(print)
     assert make(tmp_path / "empty").find_resume(print) is None  # nothing saved yet: a fresh start
     assert make(tmp_path / "empty", resume="never").find_resume(print) is None

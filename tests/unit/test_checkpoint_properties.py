@@ -161,7 +161,7 @@ def apply(run_dir: Path, m: tuple[Any, ...]) -> set[int]:
         if kind == "manifest_field":
             fields[args[1]] = args[2]
         elif isinstance(fields.get("files"), dict):
-            fields["files"][args[1]] = {"sha256": "0" * 64, "size": 10}
+            fields["files"][args[1]] = {"digest": "0" * 64, "size": 10}
         if args[-1]:  # an attacker who recomputes the checksum
             try:
                 fields["checksum"] = manifest_checksum(fields)

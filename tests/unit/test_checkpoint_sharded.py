@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections import OrderedDict
@@ -15,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
+from ddptrain.checkpoint.digests import DEFAULT_HASH, new_hasher
 from ddptrain.checkpoint.manifest import FileEntry, Manifest, manifest_checksum
 from ddptrain.checkpoint.sharded import STRUCTURE, ShardedWriter, part_name, partition
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
@@ -56,8 +56,8 @@ def save_as_ranks(folder: Path, world: int, seed: int, step: int = 1) -> Verifie
     folder.mkdir(parents=True)
     files: dict[str, FileEntry] = {}
     for rank in range(world):
-        files |= writer.write(folder, rank, world, shared_state(seed), {"rng": {"rank": rank}})
-    manifest = Manifest(step, world, "t" * 32, writer.name, 0.0, files, {}, {})
+        files |= writer.write(folder, rank, world, shared_state(seed), {"rng": {"rank": rank}}, DEFAULT_HASH)
+    manifest = Manifest(step, world, "t" * 32, writer.name, 0.0, files, {}, {}, DEFAULT_HASH)
     (folder / "manifest.json").write_bytes(manifest.to_bytes())
     return verify_checkpoint(folder)
 
@@ -115,10 +115,10 @@ def test_a_flipped_byte_in_one_ranks_part_is_rejected(tmp_path: Path) -> None:
     folder = tmp_path / "step-00000001"
     save_as_ranks(folder, 2, seed=1)
     flip_byte(folder, part_name(3, 4), (folder / part_name(3, 4)).stat().st_size - 3)  # rank 1's, in a tensor
-    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its BLAKE3"):
         verify_checkpoint(folder)
     flip_byte(folder, part_name(3, 4), 1)  # now also in the magic: still reported as corruption, not a parse error
-    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its BLAKE3"):
         verify_checkpoint(folder)
 
 
@@ -143,7 +143,7 @@ def test_a_part_from_another_checkpoint_is_rejected(tmp_path: Path) -> None:
     assert (mine / part_name(3, 4)).stat().st_size == (other / part_name(3, 4)).stat().st_size
     (mine / part_name(3, 4)).unlink()
     shutil.copy(other / part_name(3, 4), mine / part_name(3, 4))
-    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its SHA-256"):
+    with pytest.raises(CheckpointError, match=r"tensors-3-of-4.bin does not match its BLAKE3"):
         verify_checkpoint(mine)
 
 
@@ -171,9 +171,13 @@ def test_a_consistent_but_wrong_part_header_is_refused_without_allocating(tmp_pa
     blob = json.dumps(header, separators=(",", ":")).encode()
     (folder / name).write_bytes(data[:8] + len(blob).to_bytes(8, "little") + blob + data[16 + n :])
     files = dict(ckpt.manifest.files)
-    files[name] = FileEntry(hashlib.sha256((folder / name).read_bytes()).hexdigest(), (folder / name).stat().st_size)
     m = ckpt.manifest
-    (folder / "manifest.json").write_bytes(Manifest(m.step, 1, m.timeline, m.writer, 0.0, files, {}, {}).to_bytes())
+    hasher = new_hasher(m.hash)
+    hasher.update((folder / name).read_bytes())
+    files[name] = FileEntry(hasher.hexdigest(), (folder / name).stat().st_size)
+    (folder / "manifest.json").write_bytes(
+        Manifest(m.step, 1, m.timeline, m.writer, 0.0, files, {}, {}, m.hash).to_bytes()
+    )
     with pytest.raises(CheckpointError, match=r"tensors-0-of-2.bin cannot be loaded .*the header describes"):
         verify_checkpoint(folder)
     assert STRUCTURE in ckpt.manifest.files

@@ -7,7 +7,7 @@ the default, sharded.py):
     tensors-<r>-of-<W>.bin                 written by rank r: its share of the tensors (DDP keeps
                                            the state identical on all ranks, so each writes 1/W)
     rng-rank0.pt ... rng-rank{W-1}.pt      written by each rank (its own RNG streams)
-    manifest.json                          every file's SHA-256 and size, step, world size, timeline,
+    manifest.json                          every file's digest (ckpt.hash) and size, step, world size, timeline,
                                            writer, config, identity, and its own checksum (manifest.py)
 
 FSDP/HSDP runs use the `dcp` writer (dcp_writer.py): every rank's shards through
@@ -207,7 +207,7 @@ class Checkpointer:
         entries: dict[str, FileEntry] = {}
         try:
             self._make_tmp(tmp)
-            entries = self.writer.write(tmp, self.ctx.rank, self.ctx.world_size, shared, local)
+            entries = self.writer.write(tmp, self.ctx.rank, self.ctx.world_size, shared, local, self.cfg.hash)
         except Exception as e:  # any failure must reach the agreement below, or the other ranks would hang
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
             error = f"rank {self.ctx.rank} on {self.ctx.hostname}: {reason} while writing {tmp.name}"
@@ -244,10 +244,18 @@ class Checkpointer:
         for _, entries in results:
             files.update(entries)
         manifest = Manifest(
-            step, self.ctx.world_size, self.timeline, self.writer.name, time.time(), files, self.config, self.identity
+            step,
+            self.ctx.world_size,
+            self.timeline,
+            self.writer.name,
+            time.time(),
+            files,
+            self.config,
+            self.identity,
+            self.cfg.hash,
         )
         try:
-            write_durable(tmp / MANIFEST, manifest.to_bytes())
+            write_durable(tmp / MANIFEST, manifest.to_bytes(), manifest.hash)
             fsync_dir(tmp)
             if final.exists() or final.is_symlink():  # never replaced silently: kept in the archive
                 archive(self.dir, [final], f"replaced-step-{step}")

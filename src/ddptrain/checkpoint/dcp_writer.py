@@ -9,9 +9,10 @@ Files of one checkpoint (all in the same `.tmp-step-N/` folder, committed by the
     rng-rank<r>.pt         rank r: its own RNG streams
 
 DCP itself checksums nothing and takes `.metadata` as its commit marker; here every rank hashes
-the DCP files it wrote, the manifest lists them all, and rank 0 commits only after every rank
-agreed (checkpointer.py). DCP's collectives run on the checkpointer's own gloo group, also in an
-async save's background thread.
+the DCP files it writes as DCP writes them (HashingFiles: DCP's file system, through which it
+creates every file, so nothing is read back), the manifest lists them all, and rank 0 commits
+only after every rank agreed (checkpointer.py). DCP's collectives run on the checkpointer's own
+gloo group, also in an async save's background thread.
 
 Loading never reads a byte that was not verified: verify.py reads and hashes every listed file
 once and keeps its bytes; DCP's reader is then served those bytes (VerifiedFiles), not the files
@@ -22,14 +23,13 @@ export) decides which slices each rank takes.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ddptrain.checkpoint.durable import new_hashed_file
 from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, disk_name
 from ddptrain.checkpoint.writer import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.errors import CheckpointError
-from ddptrain.safe_files import open_regular
 
 if TYPE_CHECKING:
     from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
@@ -58,14 +58,35 @@ def _one_process_is_meant() -> Iterator[None]:
         yield
 
 
-def hash_file(path: Path) -> FileEntry:
-    """SHA-256 and size of a file this rank just wrote (never through a link)."""
-    sha, size = hashlib.sha256(), 0
-    with os.fdopen(open_regular(path, os.O_RDONLY), "rb", buffering=0) as f:
-        while chunk := f.read(4 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    return FileEntry(sha.hexdigest(), size)
+class HashingFiles(FileSystem):
+    """DCP's file system for one save: every file is created new (never through an existing name or
+    link) and hashed as DCP writes it; opening one for reading is refused (a save never reads back)."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.written: dict[str, FileEntry] = {}  # by file name, once DCP closed the file
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        """A new file for DCP to write; its entry is recorded when DCP is done with it."""
+        if mode != "wb":
+            raise CheckpointError(f"DCP asked to open {Path(path).name} with mode {mode!r} during a save")
+        with new_hashed_file(Path(path), self.algorithm) as out:
+            # DCP uses write, tell (offsets), flush, fileno (fsync) and close: HashingWriter has them.
+            yield cast(io.IOBase, out)
+            self.written[Path(path).name] = out.entry()
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        """DCP writes `.metadata.tmp` and renames it `.metadata`: the entry follows the name."""
+        super().rename(path, new_path)
+        self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+    def entry(self, name: str) -> FileEntry:
+        """The entry of a file DCP wrote through this file system; CheckpointError for any other."""
+        if name not in self.written:
+            raise CheckpointError(f"DCP wrote {name} without hashing it (not through ddptrain's file system)")
+        return self.written[name]
 
 
 class VerifiedFiles(FileSystem):
@@ -141,23 +162,28 @@ class DcpWriter:
         return to_cpu(shared), to_cpu(local)
 
     def write(
-        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any], algorithm: str
     ) -> dict[str, FileEntry]:
-        """dcp.save of model and optimizer (a collective), then this rank's other files; every file hashed."""
+        """dcp.save of model and optimizer (a collective), then this rank's other files; every file hashed as written."""
         # One file per rank (one writer thread): `__<rank>_0.distcp`, which required() names.
         writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        # FileSystemWriter creates every file through `self.fs` (as the reader reads through it,
+        # verified_reader): replacing it hashes the bytes on their way out. Should a torch release
+        # write some other way, entry() below refuses the save (tests/unit/test_checkpoint_dcp.py).
+        files = HashingFiles(algorithm)
+        writer.fs = files
         sharded = {k: shared[k] for k in SHARDED_KEYS}
         with _one_process_is_meant():
             metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
-        # The files DCP says this rank wrote (`__<rank>_*`), hashed after DCP fsynced them.
+        # The files DCP says this rank wrote (`__<rank>_*`), hashed while DCP wrote (and fsynced) them.
         written = {info.relative_path for info in metadata.storage_data.values()}
         mine = sorted(n for n in written if n.startswith(f"__{rank}_"))
-        entries = {n: hash_file(folder / n) for n in mine}
+        entries = {n: files.entry(n) for n in mine}
         items = local_files(rank, local)
         if rank == 0:
-            entries[DCP_METADATA] = hash_file(folder / disk_name(DCP_METADATA))
+            entries[DCP_METADATA] = files.entry(disk_name(DCP_METADATA))
             items[TRAINER] = shared["trainer"]
-        entries.update(write_all(folder, items))
+        entries.update(write_all(folder, items, algorithm))
         return entries
 
     def required(self, world_size: int) -> set[str]:

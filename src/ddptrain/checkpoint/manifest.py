@@ -1,13 +1,19 @@
 """The manifest: what a checkpoint holds, its own checksum, and the rules its names must follow.
 
-A manifest is JSON in UTF-8 (format 2):
+A manifest is JSON in UTF-8 (format 3):
 
-    format, step, world_size, timeline, writer, created, files {name: {sha256, size}},
+    format, step, world_size, timeline, writer, created, hash, files {name: {digest, size}},
     config (the resolved config), identity {data, model}, checksum
 
-`checksum` is the SHA-256 of the canonical JSON of every other field: one flipped digit anywhere
-(a world size, a step, a file's hash) makes the manifest, and so the checkpoint, rejected.
-Every field is type-checked on reading; anything malformed is a ManifestError, never a traceback.
+`hash` names the algorithm of every file's `digest` (digests.py: blake3 or sha256). Format 2,
+written before the algorithm was recorded, has no `hash` and files {name: {sha256, size}}: it is
+still read, as SHA-256, and verifies exactly as before.
+
+`checksum` is the SHA-256 of the canonical JSON of every other field, whatever `hash` says (one
+fixed rule, checked before any other field is trusted; a manifest is kilobytes, so its speed does
+not matter): one flipped digit anywhere (a world size, a step, a file's digest) makes the
+manifest, and so the checkpoint, rejected. Every field is type-checked on reading; anything
+malformed is a ManifestError, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,15 +25,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ddptrain.checkpoint.digests import HASHES, LEGACY_HASH, is_digest
 from ddptrain.errors import CheckpointError
 
 MANIFEST = "manifest.json"
-FORMAT = 2
+FORMAT = 3
+LEGACY_FORMAT = 2  # SHA-256 under each file's `sha256`, no `hash` field: still read
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 MAX_MANIFEST_BYTES = 64 << 20  # far above any real manifest (its config takes at most 8 MiB: config_io.py)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Files whose names on disk are not plain (DCP's commit marker is a hidden file): the manifest
 # lists them under a plain name, and only these exact names are mapped.
 DCP_METADATA = "dcp.metadata"
@@ -74,7 +81,7 @@ def manifest_checksum(fields: dict[str, Any]) -> str:
 class FileEntry:
     """One file of a checkpoint as its writer recorded it."""
 
-    sha256: str
+    digest: str  # hex, of the algorithm its manifest's `hash` names
     size: int
 
 
@@ -90,9 +97,12 @@ class Manifest:
     files: dict[str, FileEntry]
     config: dict[str, Any]
     identity: dict[str, Any]
+    hash: str = LEGACY_HASH  # the algorithm of every file's digest; unnamed (format 2) means SHA-256
 
     def to_bytes(self) -> bytes:
-        """The manifest as written to disk, checksum included."""
+        """The manifest as written to disk (always the current format), checksum included."""
+        if self.hash not in HASHES:
+            raise ManifestError(f"{MANIFEST} would name an unknown hash algorithm {self.hash[:40]!r}")
         fields: dict[str, Any] = {
             "format": FORMAT,
             "step": self.step,
@@ -100,7 +110,8 @@ class Manifest:
             "timeline": self.timeline,
             "writer": self.writer,
             "created": self.created,
-            "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
+            "hash": self.hash,
+            "files": {n: {"digest": e.digest, "size": e.size} for n, e in sorted(self.files.items())},
             "config": self.config,
             "identity": self.identity,
         }
@@ -121,24 +132,30 @@ def _field(fields: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> A
     return value
 
 
-def _entry(name: Any, raw: Any) -> tuple[str, FileEntry]:
+def _entry(name: Any, raw: Any, algorithm: str, key: str) -> tuple[str, FileEntry]:
     if not is_plain_name(name):
         # Never touch, stat or echo more than a short, escaped prefix of such a name.
         raise ManifestError(
             f"{MANIFEST} lists {str(name)[:40]!r}, which is not a plain file name in the checkpoint folder"
         )
-    if not isinstance(raw, dict) or set(raw) != {"sha256", "size"}:
-        raise ManifestError(f"{MANIFEST}: the entry of {name} is not {{sha256, size}}")
-    sha, size = raw["sha256"], raw["size"]
-    if (
-        not isinstance(sha, str)
-        or not _SHA256.fullmatch(sha)
-        or isinstance(size, bool)
-        or not isinstance(size, int)
-        or size < 0
-    ):
-        raise ManifestError(f"{MANIFEST}: the entry of {name} has a malformed sha256 or size")
-    return name, FileEntry(sha, size)
+    if not isinstance(raw, dict) or set(raw) != {key, "size"}:
+        raise ManifestError(f"{MANIFEST}: the entry of {name} is not {{{key}, size}}")
+    digest, size = raw[key], raw["size"]
+    if not is_digest(algorithm, digest) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ManifestError(f"{MANIFEST}: the entry of {name} has a malformed {key} or size")
+    return name, FileEntry(digest, size)
+
+
+def _algorithm(fields: dict[str, Any], fmt: int) -> tuple[str, str]:
+    """(algorithm, the entries' digest key): format 2 is SHA-256 under `sha256`; format 3 names it in `hash`."""
+    if fmt == LEGACY_FORMAT:
+        return LEGACY_HASH, "sha256"
+    algorithm = _field(fields, "hash", str)
+    if algorithm not in HASHES:
+        raise ManifestError(
+            f"{MANIFEST} names an unknown hash algorithm {algorithm[:40]!r} (this ddptrain knows {', '.join(HASHES)})"
+        )
+    return algorithm, "digest"
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -154,8 +171,10 @@ def parse_manifest(data: bytes) -> Manifest:
     if not isinstance(fields, dict):
         raise ManifestError(f"{MANIFEST} is not a JSON object")
     fmt = _field(fields, "format", int)
-    if fmt != FORMAT:
-        raise ManifestError(f"{MANIFEST} has format {fmt}; this ddptrain reads format {FORMAT} (checksummed manifests)")
+    if fmt not in (LEGACY_FORMAT, FORMAT):
+        raise ManifestError(
+            f"{MANIFEST} has format {fmt}; this ddptrain reads formats {LEGACY_FORMAT} and {FORMAT} (checksummed manifests)"
+        )
     checksum = _field(fields, "checksum", str)
     try:
         expected = manifest_checksum(fields)
@@ -169,7 +188,8 @@ def parse_manifest(data: bytes) -> Manifest:
     created = _field(fields, "created", (int, float))
     if not math.isfinite(created):
         raise ManifestError(f"{MANIFEST}: 'created' is not a finite number")
-    files = dict(_entry(n, e) for n, e in _field(fields, "files", dict).items())
+    algorithm, key = _algorithm(fields, fmt)
+    files = dict(_entry(n, e, algorithm, key) for n, e in _field(fields, "files", dict).items())
     return Manifest(
         step,
         world_size,
@@ -179,6 +199,7 @@ def parse_manifest(data: bytes) -> Manifest:
         files,
         _field(fields, "config", dict),
         _field(fields, "identity", dict),
+        algorithm,
     )
 
 

@@ -221,7 +221,7 @@ class ShardedWriter:
         return join(to_cpu(tree) if rank == 0 else tree, dict(slots), kept), to_cpu(local)
 
     def write(
-        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any], algorithm: str
     ) -> dict[str, FileEntry]:
         """This rank's parts (a thread each), the structure on rank 0, and this rank's local files."""
         tree, tensors, slots = split(shared)
@@ -233,11 +233,11 @@ class ShardedWriter:
         def write_part(p: int) -> FileEntry:
             chosen = [(i, tensors[i]) for i in split_ids[p]]
             parts = _parts(world_size)
-            return write_stream(folder / part_name(p, parts), lambda out: _write_part(out, p, parts, chosen))
+            return write_stream(folder / part_name(p, parts), lambda out: _write_part(out, p, parts, chosen), algorithm)
 
         with ThreadPoolExecutor(max_workers=PARTS_PER_RANK) as pool:
             parts = {part_name(p, _parts(world_size)): pool.submit(write_part, p) for p in _my_parts(rank)}
-            entries = write_all(folder, items)
+            entries = write_all(folder, items, algorithm)
             entries.update({name: f.result() for name, f in parts.items()})
         return entries
 

@@ -2,7 +2,7 @@
 
 verify_checkpoint checks the folder (a real folder, not a link), the manifest (checksum, types,
 plain names, the files its writer requires) and every listed file (a regular file, not a link,
-the recorded size and SHA-256). It reads each file once: its writer decodes the bytes while they
+the recorded size and digest, of the algorithm the manifest names). It reads each file once: its writer decodes the bytes while they
 are hashed (HashingReader), one thread per file, and the decoded contents are kept in the
 VerifiedCheckpoint only once every file's hash has matched. Nothing decoded from a file is handed
 out before then, so verification and loading are one pass and a mismatch falls back exactly as
@@ -12,7 +12,6 @@ verifies the folder the same way on first use, and refuses a folder whose manife
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import IO, Any
 
 import torch
 
+from ddptrain.checkpoint.digests import SHOWN, new_hasher
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -44,13 +44,13 @@ class HashingReader:
     """A file of known size read forwards once; every byte read is hashed on the way (the GIL is
     released for big buffers, so files hashed in parallel threads overlap)."""
 
-    def __init__(self, f: IO[bytes], size: int) -> None:
-        self._f, self.left, self._sha = f, size, hashlib.sha256()
+    def __init__(self, f: IO[bytes], size: int, algorithm: str) -> None:
+        self._f, self.left, self._hasher = f, size, new_hasher(algorithm)
 
     def read(self, n: int) -> bytes:
         """Up to n bytes (fewer only at the end of the file)."""
         data = self._f.read(max(0, min(n, self.left)))
-        self._sha.update(data)
+        self._hasher.update(data)
         self.left -= len(data)
         return data
 
@@ -74,16 +74,16 @@ class HashingReader:
             if not got:
                 raise EOFError("the file ends early")
             done += got
-        self._sha.update(buf)
+        self._hasher.update(buf)
         self.left -= len(buf)
 
     def finish(self) -> tuple[int, str]:
-        """Hash what was not read yet; (bytes hashed beyond the expected size, hex SHA-256)."""
+        """Hash what was not read yet; (bytes hashed beyond the expected size, hex digest)."""
         while self.left > 0:
             if not self.read(_CHUNK):
                 break
         extra = len(self._f.read(1))
-        return extra - self.left, self._sha.hexdigest()
+        return extra - self.left, self._hasher.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def read_manifest(path: Path) -> Manifest:
     return parse_manifest(data)
 
 
-def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter, keep: bool) -> Any:
+def _read_file(path: Path, name: str, entry: FileEntry, algorithm: str, writer: CheckpointWriter, keep: bool) -> Any:
     """Read one listed file once without following a link, decoding it (keep) while hashing it."""
     on_disk = disk_name(name)
     shown = name if on_disk == name else f"{on_disk} (listed as {name})"  # messages name the file a user sees
@@ -171,7 +171,7 @@ def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter
         st = os.fstat(f.fileno())
         if st.st_size != entry.size:
             raise CheckpointError(f"file {shown} has {st.st_size} bytes, the manifest says {entry.size} (truncated?)")
-        reader = HashingReader(f, entry.size)
+        reader = HashingReader(f, entry.size, algorithm)
         decoded: Any = None
         problem: str | None = None
         if keep:
@@ -179,11 +179,11 @@ def _read_file(path: Path, name: str, entry: FileEntry, writer: CheckpointWriter
                 decoded = writer.decode(name, reader)
             except Exception as e:  # garbage decodes badly; the hash below says whether it is corruption
                 problem = f"{type(e).__name__}: {str(e)[:120]}"
-        extra, sha = reader.finish()
+        extra, digest = reader.finish()
     if extra > 0:
         raise CheckpointError(f"file {shown} grew while it was read (the manifest says {entry.size} bytes)")
-    if sha != entry.sha256:
-        raise CheckpointError(f"file {shown} does not match its SHA-256 in the manifest (corrupted)")
+    if digest != entry.digest:
+        raise CheckpointError(f"file {shown} does not match its {SHOWN[algorithm]} in the manifest (corrupted)")
     if problem is not None:
         raise CheckpointError(f"file {shown} cannot be loaded ({problem})")
     return decoded
@@ -219,7 +219,7 @@ def _verify(path: Path, keep: bool) -> VerifiedCheckpoint:
         return VerifiedCheckpoint(path, manifest, {} if keep else None)
     # One thread per file: reads, hashes and torch's copies release the GIL, so the files overlap.
     with ThreadPoolExecutor(max_workers=min(len(names), _MAX_THREADS)) as pool:
-        futures = {n: pool.submit(_read_file, path, n, manifest.files[n], writer, keep) for n in names}
+        futures = {n: pool.submit(_read_file, path, n, manifest.files[n], manifest.hash, writer, keep) for n in names}
         outcomes: dict[str, Any] = {}
         for n in names:  # the first failure in name order, so the message does not depend on timing
             outcomes[n] = futures[n].result()

@@ -44,9 +44,10 @@ class CheckpointWriter(Protocol):
         ...
 
     def write(
-        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any], algorithm: str
     ) -> dict[str, FileEntry]:
-        """Write this rank's files into folder (new files only); their manifest entries."""
+        """Write this rank's files into folder (new files only); their manifest entries, digests of `algorithm`
+        (digests.py) computed from the bytes as they were written."""
         ...
 
     def required(self, world_size: int) -> set[str]:
@@ -85,16 +86,16 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def write_all(folder: Path, items: dict[str, Any]) -> dict[str, FileEntry]:
-    """write_durable each (name, object) into folder, one thread per file.
+def write_all(folder: Path, items: dict[str, Any], algorithm: str) -> dict[str, FileEntry]:
+    """write_durable each (name, object) into folder, one thread per file, hashed with algorithm.
 
-    While one thread serializes (holding the GIL), another's SHA-256, copies and fsync run
+    While one thread serializes (holding the GIL), another's hashing, copies and fsync run
     without it, so the files' costs overlap.
     """
     if not items:
         return {}
     with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        futures = {name: pool.submit(write_durable, folder / name, obj) for name, obj in items.items()}
+        futures = {name: pool.submit(write_durable, folder / name, obj, algorithm) for name, obj in items.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -113,11 +114,11 @@ class RankZeroTorchWriter:
         return (to_cpu(shared) if rank == 0 else {}), to_cpu(local)
 
     def write(
-        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
+        self, folder: Path, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any], algorithm: str
     ) -> dict[str, FileEntry]:
         """torch.save each object into its own durable file, concurrently."""
         items = {f"{k}.pt": v for k, v in shared.items()} if rank == 0 else {}
-        return write_all(folder, items | local_files(rank, local))
+        return write_all(folder, items | local_files(rank, local), algorithm)
 
     def required(self, world_size: int) -> set[str]:
         """model/optimizer/trainer.pt and one rng file per rank."""
