@@ -49,6 +49,7 @@ from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
+from ddptrain.safe_files import write_text_replace
 from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
@@ -251,7 +252,7 @@ def k8s(args: argparse.Namespace) -> int:
         output_file("--out", Path(args.out))
     text = render_manifest(cfg, from_args(K8sJob, args))
     if args.out:
-        Path(args.out).write_text(text)
+        write_text_replace(Path(args.out), text)  # a link planted at --out is replaced, never written through
         print(f"wrote {args.out}")
     else:
         print(text, end="")

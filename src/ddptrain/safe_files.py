@@ -36,9 +36,9 @@ def open_append_no_follow(path: Path, **kwargs: Any) -> IO[str]:
     return stream
 
 
-def open_new_no_follow(path: Path) -> IO[bytes]:
-    """A new binary file; OSError when anything (a file, a link) already has that name."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o644)
+def open_new_no_follow(path: Path, mode: int = 0o644) -> IO[bytes]:
+    """A new binary file (permissions `mode`, less the umask); OSError when anything (a file, a link) has that name."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, mode)
     return os.fdopen(fd, "wb")
 
 
@@ -58,12 +58,12 @@ def read_bytes_no_follow(path: Path, limit: int | None = None) -> bytes:
     return read_regular_file(path, limit)
 
 
-def write_text_replace(path: Path, text: str) -> None:
+def write_text_replace(path: Path, text: str, mode: int = 0o644) -> None:
     """Write text to a fresh temp file beside path, then rename over path: a link at path is replaced, not followed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    with open_new_no_follow(tmp) as f:
+    with open_new_no_follow(tmp, mode) as f:
         f.write(text.encode())
     os.replace(tmp, path)
 
