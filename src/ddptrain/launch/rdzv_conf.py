@@ -24,25 +24,28 @@ WEEK_S = 7 * 24 * 3600
 _BOOLEANS = ("true", "false", "1", "0")
 
 
-def _seconds(least: int) -> tuple[str, int, int]:
+Spec = tuple[str | int, ...]  # ("int", low, high), ("choice", value, ...), ("file",) or ("prefix",)
+
+
+def _seconds(least: int) -> Spec:
     return ("int", least, WEEK_S)
 
 
 # DynamicRendezvousHandler's keys (c10d and etcd-v2), with what each may be.
-_DYNAMIC = {
+_DYNAMIC: dict[str, Spec] = {
     "close_timeout": _seconds(1),
     "heartbeat_timeout": _seconds(1),
     "keep_alive_interval": _seconds(1),
     "keep_alive_max_attempt": ("int", 1, 1000),
 }
-_ETCD = {
+_ETCD: dict[str, Spec] = {
     "read_timeout": _seconds(1),
     "protocol": ("choice", "http", "https"),
     "ssl_cert": ("file",),
     "ssl_cert_key": ("file",),
     "ca_cert": ("file",),
 }
-KEYS: dict[str, dict[str, tuple[str | int, ...]]] = {
+KEYS: dict[str, dict[str, Spec]] = {
     "c10d": {**_DYNAMIC, "read_timeout": _seconds(1), "is_host": ("choice", *_BOOLEANS)},
     "etcd-v2": {**_DYNAMIC, **_ETCD},
     "etcd": {**_ETCD, "etcd_prefix": ("prefix",)},
@@ -72,7 +75,7 @@ def parse_rdzv_conf(backend: str, conf: str) -> dict[str, str]:
     return items
 
 
-def _check_value(key: str, value: str, spec: tuple[str | int, ...]) -> None:
+def _check_value(key: str, value: str, spec: Spec) -> None:
     kind = spec[0]
     if kind == "int":
         low, high = int(spec[1]), int(spec[2])
