@@ -78,7 +78,7 @@ def test_any_value_is_refused_or_carried_through(
         "--pvc": claim,
         "--image": f"reg.example/{image}",
     }
-    flags = [w for flag, v in values.items() if flag.startswith("--") for w in (flag, v)]
+    flags = [f"{flag}={v}" for flag, v in values.items() if flag.startswith("--")]  # a value may start with -
     rc, out, err = k8s(name, *flags)
     bad = [key for key, v in values.items() if unscriptable(v) or (key == "--image" and any(c.isspace() for c in v))]
     if bad:
