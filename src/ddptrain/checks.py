@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from pathlib import Path
 
 from ddptrain.errors import ConfigError
@@ -25,6 +26,28 @@ def text_arg(flag: str, value: str, *, single_line: bool = True) -> str:
         raise ConfigError(f"{flag} is not valid UTF-8 text") from None
     if single_line and any(ord(c) < 32 and c != "\t" for c in value):
         raise ConfigError(f"{flag} {value!r} must be one line of printable text (no newlines or control characters)")
+    return value
+
+
+# Unicode categories that must never reach a generated script or manifest: control characters
+# (newline, carriage return, NUL, escape, tab), format characters (bidirectional overrides that make
+# a line read differently from what runs) and the line and paragraph separators.
+_UNSCRIPTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def script_text(what: str, value: str) -> str:
+    """value, when it may be written into a generated job script or manifest (a comment, a quoted word).
+
+    A newline would end a comment or an #SBATCH directive and start a shell line of its own; the
+    other control and format characters have no business in a name or a path either.
+    """
+    text_arg(what, value, single_line=False)
+    bad = next((c for c in value if unicodedata.category(c) in _UNSCRIPTABLE), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{what} {value!r} must be one line of printable text (no newlines or control characters, "
+            f"here {bad!r}): it is written into a generated job script"
+        )
     return value
 
 

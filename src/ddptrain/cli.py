@@ -27,13 +27,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ddptrain import run, streams
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
+from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
 from ddptrain.errors import (
@@ -49,6 +49,7 @@ from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
+from ddptrain.safe_files import write_text_replace
 from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
@@ -175,7 +176,7 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
     command = list(command)[1:] if list(command)[:1] == ["--"] else list(command)
     if not command:
         return  # the launcher says what is missing
-    worker = _parser(_RaisingParser).parse_args(command)
+    worker = _parser(WorkerCommandParser).parse_args(command)
     if worker.command == "launch":
         raise LaunchError("the worker command cannot be launch itself; give the command each worker runs, e.g. train")
     if worker.command != "train" or worker.help_config:
@@ -185,13 +186,6 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
     per_node = nproc_per_node(nproc)
     if per_node is not None and low == high:
         cfg.check_world_size(low * per_node)
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """A parser whose errors are ConfigErrors (one line, exit 2) instead of usage text and sys.exit."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"worker command: {message}")
 
 
 def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None, etcd: str | None = None) -> int:
@@ -254,7 +248,7 @@ def k8s(args: argparse.Namespace) -> int:
         output_file("--out", Path(args.out))
     text = render_manifest(cfg, from_args(K8sJob, args))
     if args.out:
-        Path(args.out).write_text(text)
+        write_text_replace(Path(args.out), text)  # a link planted at --out is replaced, never written through
         print(f"wrote {args.out}")
     else:
         print(text, end="")
@@ -264,7 +258,7 @@ def k8s(args: argparse.Namespace) -> int:
 # ---- argument parsing -------------------------------------------------------------------------
 
 
-def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argparse.ArgumentParser:
     p = parser_class(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -441,7 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as e:
+        prog = usage_prog(e.prog, str(e), sys.argv[1:] if argv is None else list(argv))
+        _say_error(prog, f"{e} (see {prog} --help)")
+        return EXIT_USAGE
     try:
         return _dispatch(args)
     except DdptrainError as e:
@@ -487,7 +486,11 @@ USER_ERRNOS = frozenset(
 
 
 def _error_line(command: str, text: str) -> None:
+    _say_error(f"ddptrain {command}", text)
+
+
+def _say_error(prog: str, text: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
     # stderr itself may be gone (a closed pipe): the exit code still tells.
-    streams.say(f"{prefix}ddptrain {command}: error: {' '.join(text.split())}")
+    streams.say(f"{prefix}{prog}: error: {' '.join(text.split())}")

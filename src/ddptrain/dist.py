@@ -7,6 +7,7 @@ process group at all, so the same code runs on a laptop and on many nodes.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch's __all__
 
 from ddptrain.config import DistConfig
-from ddptrain.errors import LaunchError
+from ddptrain.errors import DdptrainError, LaunchError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -123,12 +124,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         device = torch.device("cpu")
     owns = not dist.is_initialized()
     if owns:
-        init_kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-        timeout = timedelta(seconds=cfg.startup_timeout_s)
-        store = _worker_store(rank, world, timeout)
-        if store is not None:
-            init_kwargs.update(store=store, rank=rank, world_size=world)
-        dist.init_process_group(backend=backend, timeout=timeout, **init_kwargs)
+        _create_default_group(backend, device, rank, world, timedelta(seconds=cfg.startup_timeout_s))
     group = dist.new_group(timeout=timedelta(seconds=cfg.timeout_s), backend=backend)
     ctx = DistContext(
         rank=rank,
@@ -173,8 +169,46 @@ def listening_store(addr: str, port: int, timeout: timedelta, world_size: int | 
         raise
 
 
+def _create_default_group(backend: str, device: torch.device, rank: int, world: int, timeout: timedelta) -> None:
+    """init_process_group through the job's store; a store that cannot be reached or joined is one line.
+
+    A rank that connects to the store (all but the one serving it) first waits for it to accept
+    connections, polling: torch's client would log some 80 lines of C++ frames per failed attempt,
+    and then raise an error that names neither the rank nor what MASTER_ADDR:MASTER_PORT came from.
+    Whatever else torch raises about the store (a port in use, ranks that never join) is caught
+    and said in one line too, with the same rank, host:port and torch's own first line.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    serves = rank == 0 and (BIND_ADDR_ENV in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+    if not serves:
+        why = probe_store(host, port, time.monotonic() + timeout.total_seconds(), poll_s=0.05, wait_for_dns=True)
+        if why is not None:
+            raise _store_failure(
+                f"rank {rank} cannot reach the job's store at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
+                f"{timeout.total_seconds():g} s ({why}); is rank 0 (or the launcher on that host) running, and is "
+                "the port open from here?"
+            )
+    init_kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    try:
+        store = _worker_store(rank, world, timeout)
+        if store is not None:
+            init_kwargs.update(store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, timeout=timeout, **init_kwargs)
+    except dist.DistError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        role = f"serving the job's store on port {port}" if serves else f"joining through the store at {host}:{port}"
+        raise _store_failure(f"rank {rank} of {world} failed {role} (MASTER_ADDR:MASTER_PORT): {first}") from None
+
+
+def _store_failure(text: str) -> DdptrainError:
+    """Exit 2 for a hand-set environment (bad input: the same one fails again); exit 1 under torchrun's
+    agent (TORCHELASTIC_RUN_ID), which set the variables itself and may restart the workers to recover."""
+    return DdptrainError(text) if "TORCHELASTIC_RUN_ID" in os.environ else LaunchError(text)
+
+
 def _worker_store(rank: int, world: int, timeout: timedelta) -> TCPStore | None:
-    """With BIND_ADDR_ENV set: rank 0 serves the job's store on that address only, the others connect."""
+    """With BIND_ADDR_ENV set: rank 0 serves the job's store on that address only, the others connect
+    (once probe_store saw it listen)."""
     bind = os.environ.get(BIND_ADDR_ENV)
     if not bind:
         return None
@@ -184,24 +218,40 @@ def _worker_store(rank: int, world: int, timeout: timedelta) -> TCPStore | None:
             return listening_store(bind, port, timeout, world)
         except OSError as e:
             raise LaunchError(f"cannot serve the job's store on {bind}:{port}: {e.strerror or e}") from None
-    _wait_until_listening(host, port, timeout.total_seconds())
     return TCPStore(host, port, world, False, timeout=timeout)
 
 
-def _wait_until_listening(host: str, port: int, timeout_s: float) -> None:
-    """Return once host:port accepts connections, or after timeout_s (TCPStore then reports the error).
+def probe_store(
+    host: str, port: int, deadline: float, *, poll_s: float = 0.25, wait_for_dns: bool = False
+) -> str | None:
+    """Connect to a store until the deadline; None when it answers, else why not (one line).
 
     After a restart the other ranks often start before rank 0's store listens; TCPStore's own
     retry backs off for seconds between attempts (the recovery timeline showed ~6 s in "process
-    group"), while polling every 50 ms connects within 50 ms of the store being up.
+    group"), while polling every 50 ms (poll_s) connects within 50 ms of the store being up. A name
+    that does not resolve is final unless wait_for_dns (a Service's name may appear late).
     """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    why = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return why
         try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError:
-            time.sleep(0.05)
+            with socket.create_connection((host, port), timeout=min(2.0, left)):
+                return None
+        except socket.gaierror as e:
+            why = f"{host} does not resolve ({e.strerror})"
+            if not wait_for_dns:
+                return why
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens there"
+        except TimeoutError:
+            why = "connection attempts time out: a firewall, a wrong address or no route"
+        except OSError as e:
+            why = os.strerror(e.errno) if e.errno else str(e)
+            if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                why = f"{why}: no route to that address"
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def close_distributed(ctx: DistContext) -> None:

@@ -94,9 +94,9 @@ def open_append_no_follow(path: Path, **kwargs: Any) -> IO[str]:
     return stream
 
 
-def open_new_no_follow(path: Path) -> IO[bytes]:
-    """A new binary file; OSError when anything (a file, a link) already has that name."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o644)
+def open_new_no_follow(path: Path, mode: int = 0o644) -> IO[bytes]:
+    """A new binary file (permissions `mode`, less the umask); OSError when anything (a file, a link) has that name."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, mode)
     return os.fdopen(fd, "wb")
 
 
@@ -113,14 +113,14 @@ def read_bytes_no_follow(path: Path, limit: int | None = None) -> bytes:
 
 
 @contextmanager
-def replacing(path: Path) -> Iterator[IO[bytes]]:
+def replacing(path: Path, mode: int = 0o644) -> Iterator[IO[bytes]]:
     """A fresh temp file beside path, created no-follow, renamed over path when the block succeeds (removed
     when it fails): whatever had the name (a planted link, a FIFO) is replaced, never followed or opened."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with suppress(FileNotFoundError):
         os.unlink(tmp)  # a leftover of a killed writer, or a link planted under the temp name
     try:
-        with open_new_no_follow(tmp) as f:
+        with open_new_no_follow(tmp, mode) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
@@ -129,15 +129,15 @@ def replacing(path: Path) -> Iterator[IO[bytes]]:
         raise
 
 
-def write_bytes_replace(path: Path, data: bytes) -> None:
+def write_bytes_replace(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write data to a fresh temp file beside path, then rename over path: a link at path is replaced, not followed."""
-    with replacing(path) as f:
+    with replacing(path, mode) as f:
         f.write(data)
 
 
-def write_text_replace(path: Path, text: str) -> None:
+def write_text_replace(path: Path, text: str, mode: int = 0o644) -> None:
     """Write text to a fresh temp file beside path, then rename over path: a link at path is replaced, not followed."""
-    write_bytes_replace(path, text.encode())
+    write_bytes_replace(path, text.encode(), mode)
 
 
 def fsync_dir(path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ddptrain.checks import script_text
 from ddptrain.config import Config, load_config
 from ddptrain.errors import ConfigError, UserError
 from ddptrain.etcd_endpoints import format_endpoints, parse_endpoints
@@ -34,7 +35,16 @@ def load_job_config(config: str | None, overrides: Sequence[str]) -> Config:
             f"ckpt.resume={cfg.ckpt.resume!r}: a scheduled job is restarted after preemption and must continue "
             "from its newest checkpoint; use ckpt.resume=auto"
         )
+    check_config_texts(cfg)
     return cfg
+
+
+def check_config_texts(cfg: Config) -> None:
+    """The config values a job definition names (in comments, paths and names): one line of printable text."""
+    script_text("run.name", cfg.run.name)
+    if cfg.run.dir is not None:
+        script_text("run.dir", cfg.run.dir)
+    script_text("data.dir", cfg.data.dir)
 
 
 def worker_stop_s(step_s: float, save_s: float) -> int:

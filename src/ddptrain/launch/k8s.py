@@ -38,13 +38,14 @@ from typing import Any
 
 import yaml
 
-from ddptrain.checks import text_arg
+from ddptrain.checks import script_text
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.etcd_endpoints import format_endpoint, parse_endpoints
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
     check_batch_split,
+    check_config_texts,
     check_procs_vs_gpus,
     check_stop_window,
     launch_argv,
@@ -174,6 +175,9 @@ class K8sJob:
         if not self.image.strip() or any(c.isspace() for c in self.image):
             raise ConfigError(f"--image {self.image!r} must be an image reference without spaces")
         texts = {
+            "--image": self.image,
+            "--shared-mount": self.shared_mount,
+            "--config-mount": self.config_mount,
             "--name": self.name,
             "--namespace": self.namespace,
             "--cpu": self.cpu,
@@ -185,7 +189,7 @@ class K8sJob:
         }
         for flag, value in texts.items():
             if value is not None:
-                text_arg(flag, value)
+                script_text(flag, value)  # a newline would end the header comment and start YAML of its own
         if not 0 < self.rdzv_port < 65536:
             raise ConfigError(f"--rdzv-port {self.rdzv_port} is not a TCP port")
         if self.etcd_service is not None:
@@ -280,7 +284,8 @@ def _command(job: K8sJob, name: str, role: str) -> list[str]:
             node_addr=node_addr if multi else None,
             max_restarts=job.max_restarts,
             shutdown_s=worker_stop_s(job.step_s, job.save_s),
-            config_path=f"{job.config_mount}/config.yaml",
+            # The kubelet expands $(VAR) in a command and reads $$ as one $: a $ in the path stays a $.
+            config_path=f"{job.config_mount}/config.yaml".replace("$", "$$"),
             preempted_exit_code=PREEMPTED_EXIT_CODE,
             rdzv_backend=backend,
         ),
@@ -331,6 +336,7 @@ def _replica(job: K8sJob, name: str, role: str, replicas: int) -> dict[str, Any]
 def pytorch_job(cfg: Config, job: K8sJob) -> dict[str, Any]:
     """The PyTorchJob object (validated)."""
     job.validate(cfg)
+    check_config_texts(cfg)
     name = job.job_name(cfg)
     metadata: dict[str, Any] = {"name": name, **({"namespace": job.namespace} if job.namespace else {})}
     if job.gang == "kueue":

@@ -64,6 +64,7 @@ from ddptrain.etcd_endpoints import (
     require_client,
 )
 from ddptrain.launch.etcd_rdzv import etcd_handler, no_healthy_member
+from ddptrain.launch.rdzv_conf import parse_rdzv_conf
 from ddptrain.launch.torch_support import check_torch
 from ddptrain.launch.worker_start import WORKER_STARTS, run_worker, use_preloaded_server
 from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
@@ -132,7 +133,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--rdzv-conf",
         default="",
-        help="more c10d rendezvous options, KEY=VALUE,... (e.g. keep_alive_interval=5,read_timeout=60)",
+        help="more rendezvous options, KEY=VALUE,... (e.g. keep_alive_interval=5,read_timeout=60; checked per backend)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -263,9 +264,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for name in args.signals_to_handle.split(","):
         if name.strip() not in signal.Signals.__members__:
             raise LaunchError(f"--signals-to-handle: {name.strip()!r} is not a signal name (e.g. SIGTERM,SIGINT)")
-    for item in filter(None, args.rdzv_conf.split(",")):
-        if "=" not in item:
-            raise LaunchError(f"--rdzv-conf item {item!r} must look like KEY=VALUE")
+    parse_rdzv_conf(args.rdzv_backend, args.rdzv_conf)  # every key and value, for --dry-run too
 
 
 def worker_command(args: argparse.Namespace) -> list[str]:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptrain.checks import text_arg
+from ddptrain.checks import script_text
 from ddptrain.config import Config, DataConfig
 from ddptrain.data.corpus import corpus_ready
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
@@ -29,6 +29,7 @@ from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
     EXIT_USAGE,
     check_batch_split,
+    check_config_texts,
     check_procs_vs_gpus,
     check_stop_window,
     etcd_endpoints,
@@ -38,6 +39,7 @@ from ddptrain.launch.jobspec import (
 )
 from ddptrain.launch.options import option
 from ddptrain.launch.quantities import slurm_mem_mb
+from ddptrain.safe_files import ensure_dir, open_new_no_follow, write_text_replace
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 # Per rank unless given, as for `ddptrain k8s`: CPUs for the rank and its data loading, memory (MB).
@@ -114,7 +116,7 @@ class SlurmJob:
         }
         for flag, values in texts.items():
             for value in filter(None, values):
-                text_arg(flag, value)  # a newline would start a shell line of its own in the script
+                script_text(flag, value)  # a newline would start a shell line of its own in the script
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
         if not 1 <= self.min_count() <= self.nodes:
@@ -174,7 +176,7 @@ def node_paths(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> 
     if cfg.data.target is None:
         paths["data.dir"] = str((workdir / cfg.data.dir).resolve())
     for what, path in paths.items():
-        text_arg(what, path)  # each lands in a comment and a shell line of the script
+        script_text(what, path)  # each lands in a comment and a (quoted) shell word of the script
     return paths
 
 
@@ -202,38 +204,66 @@ def _bash_word(arg: str) -> str:
     return f'"{arg}"' if re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", arg) else shlex.quote(arg)
 
 
+# What sbatch's own parser of #SBATCH lines (src/sbatch/opt.c, _get_argument) does not take as
+# written: whitespace ends a value, quotes and a backslash are consumed, an unquoted '#' starts a
+# comment. Quoting by its rules is not portable across SLURM versions, so such values are refused.
+_SBATCH_SPECIAL = frozenset("\"'\\#")
+
+
+def sbatch_value(what: str, value: str) -> str:
+    """value, when it survives an #SBATCH line as written (exit 2 naming `what` otherwise)."""
+    script_text(what, value)
+    if any(c.isspace() or c in _SBATCH_SPECIAL for c in value):
+        raise ConfigError(
+            f"{what} {value!r} cannot be written into an #SBATCH line: sbatch splits directive values at "
+            "whitespace and reads quotes, '\\' and '#' itself; use a value without them"
+        )
+    if "packjob" in value.lower():  # sbatch blanks this word anywhere in a directive line
+        raise ConfigError(f"{what} {value!r} cannot be written into an #SBATCH line: sbatch erases 'packjob' from it")
+    return value
+
+
+def _job_name(cfg: Config, job: SlurmJob) -> str:
+    """--job-name as given (checked), else ddptrain-<run.name> with what an #SBATCH line cannot hold as '-'."""
+    if job.job_name:
+        return sbatch_value("--job-name", job.job_name)
+    name = "ddptrain-" + re.sub(r"[^A-Za-z0-9._+-]", "-", cfg.run.name)
+    return sbatch_value("the job name from run.name (pass --job-name)", name)
+
+
 def _directives(cfg: Config, job: SlurmJob, workdir: Path) -> list[str]:
-    """The #SBATCH options of the job, in the order they are written."""
-    run_dir = (workdir / cfg.run_dir).resolve()
-    name = job.job_name or f"ddptrain-{cfg.run.name}"
+    """The #SBATCH options of the job, in the order they are written; each value checked for sbatch's parser."""
+    run_dir = sbatch_value("run.dir", str((workdir / cfg.run_dir).resolve()))
     directives = [
-        f"--job-name={name}",
+        f"--job-name={_job_name(cfg, job)}",
         f"--nodes={job.nodes}",
         "--ntasks-per-node=1",  # one `ddptrain launch` per node; it starts the ranks itself
         f"--cpus-per-task={job.cpus()}",
-        f"--mem={job.memory()}",
+        f"--mem={sbatch_value('--mem', job.memory())}",
     ]
     if job.gpus_per_node:
         directives.append(f"--gpus-per-node={job.gpus_per_node}")
     for flag, value in (("time", job.time), ("partition", job.partition), ("account", job.account)):
         if value:
-            directives.append(f"--{flag}={value}")
+            directives.append(f"--{flag}={sbatch_value('--' + flag, value)}")
     directives += [
-        f"--chdir={workdir.resolve()}",
-        f"--output={run_dir}/slurm/%x-%j.out",
+        f"--chdir={sbatch_value('the working folder (--chdir)', str(workdir.resolve()))}",
+        # %% is a literal % in sbatch's file name patterns; %x and %j are the job's name and id.
+        f"--output={run_dir.replace('%', '%%')}/slurm/%x-%j.out",
         "--open-mode=append",  # a requeued job appends to the same log
         f"--signal=B:USR1@{job.signal_s}",
         "--requeue",
     ]
     if job.min_count() < job.nodes:
         directives.append("--no-kill")  # a failed node leaves the others running (the launchers go on without it)
-    directives += job.extra_sbatch
+    directives += [sbatch_value("--sbatch-arg", arg) for arg in job.extra_sbatch]
     return directives
 
 
 def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> str:
-    """The sbatch script text for this config and job."""
+    """The sbatch script text for this config and job (every value in it checked: exit 2 naming the bad one)."""
     job.validate(cfg)
+    check_config_texts(cfg)
     directives = _directives(cfg, job, workdir)
     etcd = etcd_endpoints("--etcd-endpoints", job.etcd_endpoints)
     argv = launch_argv(
@@ -359,7 +389,7 @@ exit "$rc"
 def submission_dir(run_dir: Path) -> Path:
     """A new folder run.dir/slurm/<UTC time>-<random> for one submission's frozen config and script."""
     slurm_dir = run_dir / "slurm"
-    slurm_dir.mkdir(parents=True, exist_ok=True)
+    ensure_dir(slurm_dir)  # a link planted as run.dir/slurm is refused, not followed
     for _ in range(10):
         folder = slurm_dir / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
         try:
@@ -374,18 +404,26 @@ def write_script(cfg: Config, job: SlurmJob, out: Path | None = None) -> Path:
     """Freeze the config into a new run.dir/slurm/<submission>/config.yaml and write the sbatch script.
 
     Each generation gets its own folder, so a job that is queued or requeued keeps the config it was
-    submitted with, whatever is generated for the same run later. Nothing is written if the job is invalid.
+    submitted with, whatever is generated for the same run later. Nothing is written if the job is
+    invalid: the script is rendered once (every value checked) before the folder is made. No write
+    follows a link: the new folder's files are created afresh, and a link at `out` is replaced.
     """
     workdir = Path.cwd()
     job.validate(cfg)
     check_data_dir(cfg, workdir)
-    folder = submission_dir((workdir / cfg.run_dir).resolve())
+    run_dir = (workdir / cfg.run_dir).resolve()
+    render_script(cfg, job, run_dir / "slurm" / "NEW" / "config.yaml", workdir)  # the folder's name is ours
+    folder = submission_dir(run_dir)
     config_path = folder / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
-    config_path.chmod(0o444)
-    script = out or folder / "job.sbatch"
-    script.write_text(render_script(cfg, job, config_path, workdir))
-    script.chmod(0o755)
+    with open_new_no_follow(config_path, 0o444) as f:
+        f.write(cfg.to_yaml().encode())
+    text = render_script(cfg, job, config_path, workdir)
+    if out is not None:
+        write_text_replace(out, text, 0o755)
+        return out
+    script = folder / "job.sbatch"
+    with open_new_no_follow(script, 0o755) as f:
+        f.write(text.encode())
     return script
 
 

@@ -13,7 +13,6 @@ gets a verdict; the exit code is 1 when one failed.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import platform
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist import read_torchrun_env, resolve_backend
+from ddptrain.dist import probe_store, read_torchrun_env, resolve_backend
 from ddptrain.errors import LaunchError
 from ddptrain.etcd_endpoints import ETCD_ENV, Endpoint, format_endpoint, health, parse_endpoints
 from ddptrain.observe.perf import device_name, peak_flops
@@ -206,29 +205,6 @@ def check_interface(endpoint: str | None = None) -> Check:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def probe_store(host: str, port: int, deadline: float) -> str | None:
-    """Connect to the rendezvous store until the deadline; None when it answers, else why not."""
-    why = "no attempt"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return why
-        try:
-            with socket.create_connection((host, port), timeout=min(2.0, left)):
-                return None
-        except socket.gaierror as e:
-            return f"{host} does not resolve ({e.strerror})"  # will not change by waiting
-        except ConnectionRefusedError:
-            why = "connection refused: nothing listens there"
-        except TimeoutError:
-            why = "connection attempts time out: a firewall, a wrong address or no route"
-        except OSError as e:
-            why = os.strerror(e.errno) if e.errno else str(e)
-            if e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
-                why = f"{why}: no route to that address"
-        time.sleep(0.25)
 
 
 def check_endpoint(endpoint: str, timeout_s: float) -> Check:
