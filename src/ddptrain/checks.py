@@ -35,6 +35,12 @@ def text_arg(flag: str, value: str, *, single_line: bool = True) -> str:
 _UNSCRIPTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
+def first_unprintable(value: str) -> str | None:
+    """The first character of value in one of those categories (None when there is none): one rule for
+    names and paths in the config, in generated scripts and in manifests."""
+    return next((c for c in value if unicodedata.category(c) in _UNSCRIPTABLE), None)
+
+
 def script_text(what: str, value: str) -> str:
     """value, when it may be written into a generated job script or manifest (a comment, a quoted word).
 
@@ -42,7 +48,7 @@ def script_text(what: str, value: str) -> str:
     other control and format characters have no business in a name or a path either.
     """
     text_arg(what, value, single_line=False)
-    bad = next((c for c in value if unicodedata.category(c) in _UNSCRIPTABLE), None)
+    bad = first_unprintable(value)
     if bad is not None:
         raise ConfigError(
             f"{what} {value!r} must be one line of printable text (no newlines or control characters, "

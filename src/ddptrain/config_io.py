@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from ddptrain.checks import first_unprintable
 from ddptrain.errors import ConfigError
 from ddptrain.safe_files import read_regular_file
 
@@ -37,18 +38,17 @@ MAX_CONFIG_FILE_BYTES = 4 << 20
 MAX_CONFIG_JSON_BYTES = 8 << 20
 
 
-# Unicode's control characters (C0, DEL, C1) and line/paragraph separators: in a path or a name they end up
-# in a generated script's line, a log line or a terminal, where they end the line or rewrite what is shown.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 NAME_MAX = 255  # bytes in one folder name (Linux, macOS)
 
 
 def one_line_text(value: str) -> str:
     """value, when it holds no control character or line break (ValueError naming the first)."""
-    found = _CONTROL.search(value)
-    if found is not None:
+    # A newline in a path or a name ends the line it is written into (a script, a log line, a terminal);
+    # format characters (a text-direction override) make a line read differently from what it holds.
+    bad = first_unprintable(value)
+    if bad is not None:
         raise ValueError(
-            f"must be one line without control characters (found {found.group()!r} at character {found.start()})"
+            f"must be one line without control characters (found {bad!r} at character {value.index(bad)})"
         )
     return value
 

@@ -188,7 +188,7 @@ def test_the_reported_injection_is_refused_before_anything_is_written(tmp_path: 
         with contextlib.redirect_stderr(err):
             rc = main(["slurm", 'run.name="x\\necho INJECTED >&2"', f"run.dir={tmp_path / 'r'}", "--out", "job.sbatch"])
     assert rc == 2 and err.getvalue().count("\n") == 1
-    assert "run.name 'x\\necho INJECTED >&2' must be one line of printable text" in err.getvalue()
+    assert "run.name: must be one line without control characters (found '\\n'" in err.getvalue()
     assert list(tmp_path.iterdir()) == []
 
 
