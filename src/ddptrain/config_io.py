@@ -47,9 +47,7 @@ def one_line_text(value: str) -> str:
     # format characters (a text-direction override) make a line read differently from what it holds.
     bad = first_unprintable(value)
     if bad is not None:
-        raise ValueError(
-            f"must be one line without control characters (found {bad!r} at character {value.index(bad)})"
-        )
+        raise ValueError(f"must be one line without control characters (found {bad!r} at character {value.index(bad)})")
     return value
 
 
