@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,11 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_args(corpus_dir: Path, tmp_path: Path) -> list[str]:
     """Overrides for a tiny GPT on the tiny corpus, writing into this test's tmp folder."""
     return [*TINY, f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}"]
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A loopback port bound but not listening: a connection to it is refused, and nobody else takes it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]

@@ -20,6 +20,8 @@ from helpers import TINY, folder_bytes, run_ddptrain
 from ddptrain.cli import main
 from ddptrain.data.prepare import PrepareOptions, prepare_corpus
 
+pytestmark = pytest.mark.dist
+
 GENERATE = ["--prompt", "def ", "--max-new-tokens", "8", "--seed", "3"]
 
 
