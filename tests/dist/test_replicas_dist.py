@@ -56,7 +56,8 @@ def diverges_then_resumes(tmp_path: Path, nproc: int, optimizer: bool) -> tuple[
     done = run_ddptrain(args(run_dir, nproc, optimizer), nproc=nproc, timeout=150)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "flipped").is_file()
-    [line] = [x for x in done.stdout.splitlines() if "replicas diverged" in x]
+    # rank 0's error line (stderr also holds torchrun's summary of the ranks' exceptions)
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error: replicas diverged")]
     assert committed(run_dir) == ["step-00000010", "step-00000020"]  # nothing after the flip at 23
     [event] = [r for r in read_metrics(run_dir, "event") if r["event"] == "replica_divergence"]
     assert event["step"] == 25 and event["agreed_step"] == 20 and event["verdict"] in line
