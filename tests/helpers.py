@@ -9,9 +9,12 @@ import resource
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ddptrain.checkpoint import verify_checkpoint
@@ -137,3 +140,31 @@ def make_trainer(corpus: Path, run_dir: Path, overrides: list[str]) -> Any:
     if run.lease is not None:
         run.lease.release()  # in-process tests build several trainers on one folder, one after another
     return run.trainer
+
+
+def one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """main(argv) exits 2 with exactly one stderr line, `ddptrain CMD: error: ...`; that line."""
+    from ddptrain.cli import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, (rc, out, err)
+    assert lines[0].startswith(f"ddptrain {argv[0]}: error: ") and "Traceback" not in out + err, lines
+    return lines[0]
+
+
+@contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. 64k, 4m) mounted at a new folder mount_point, unmounted afterwards: a disk
+    that fills up for real. Needs root and mount rights; the test is skipped, with the reason, without them."""
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY, folder_bytes, run_ddptrain
+from helpers import TINY, folder_bytes, mounted_tmpfs, one_line_exit_2, run_ddptrain
 
 from ddptrain.cli import main
 from ddptrain.data.prepare import PrepareOptions, prepare_corpus
@@ -23,16 +23,6 @@ from ddptrain.data.prepare import PrepareOptions, prepare_corpus
 pytestmark = pytest.mark.dist
 
 GENERATE = ["--prompt", "def ", "--max-new-tokens", "8", "--seed", "3"]
-
-
-def one_error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """main(argv) exits 2 with exactly one stderr line for it; that line."""
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2 and len(lines) == 1, (rc, out, err)
-    assert lines[0].startswith(f"ddptrain {argv[0]}: error: ") and "Traceback" not in out + err, lines
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -45,33 +35,26 @@ def trained(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 KiB tmpfs (the model's weights do not fit); needs root and mount rights, skipped otherwise."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    """A 64 KiB tmpfs (the model's weights do not fit)."""
+    with mounted_tmpfs(tmp_path / "small", "64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(
     trained: Path, tmpfs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmpfs / "new" / "deeper" / "model.safetensors"
-    line = one_error_line(["export", str(trained), "--out", str(out)], capsys)
+    line = one_line_exit_2(["export", str(trained), "--out", str(out)], capsys)
     assert "No space left on device" in line and str(tmpfs / "new" / "deeper") in line, line
     assert list(tmpfs.iterdir()) == []  # no partial file, no folder it created, no temp folder
     (tmpfs / "notes.txt").write_text("the user's\n")
     (tmpfs / "model.json").write_text("an older export's config\n")
     before = folder_bytes(tmpfs)
-    line = one_error_line(["export", str(trained), "--out", str(tmpfs / "model.safetensors")], capsys)
+    line = one_line_exit_2(["export", str(trained), "--out", str(tmpfs / "model.safetensors")], capsys)
     assert "No space left on device" in line and str(tmpfs) in line, line
     assert folder_bytes(tmpfs) == before  # what was there is untouched
     if importlib.util.find_spec("transformers") is not None:  # --format hf: a folder, written the same way
-        line = one_error_line(["export", str(trained), "--format", "hf", "--out", str(tmpfs / "hf")], capsys)
+        line = one_line_exit_2(["export", str(trained), "--format", "hf", "--out", str(tmpfs / "hf")], capsys)
         assert "No space left on device" in line and str(tmpfs / "hf") in line, line
         assert folder_bytes(tmpfs) == before
 
@@ -82,7 +65,7 @@ def test_export_to_a_read_only_disk_is_one_line_and_changes_nothing(
     (tmpfs / "keep.txt").write_text("kept\n")
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
     for out in (tmpfs / "model.safetensors", tmpfs / "sub" / "model.safetensors"):
-        line = one_error_line(["export", str(trained), "--out", str(out)], capsys)
+        line = one_line_exit_2(["export", str(trained), "--out", str(out)], capsys)
         assert "Read-only file system" in line and str(tmpfs) in line, line
     assert sorted(p.name for p in tmpfs.iterdir()) == ["keep.txt"]
 
@@ -105,7 +88,7 @@ def test_export_lands_whole_and_replaces_a_planted_link_instead_of_following_it(
     elsewhere.mkdir()
     (trained / "exports").symlink_to(elsewhere)
     try:
-        line = one_error_line(["export", str(trained), "--out", str(trained / "exports" / "m.safetensors")], capsys)
+        line = one_line_exit_2(["export", str(trained), "--out", str(trained / "exports" / "m.safetensors")], capsys)
     finally:
         (trained / "exports").unlink()
     assert "refusing to follow a symbolic link" in line and list(elsewhere.iterdir()) == [], line
@@ -156,11 +139,11 @@ def test_generate_refuses_a_tokenizer_swapped_after_training(bpe_run: Path, caps
     try:
         # Same vocabulary size, one token's text changed: every sample would silently decode differently.
         tokenizer.write_bytes(re.sub(rb'"def"', b'"fed"', original, count=1))
-        line = one_error_line(["generate", str(bpe_run), *GENERATE], capsys)
+        line = one_line_exit_2(["generate", str(bpe_run), *GENERATE], capsys)
         assert f"tokenizer {tokenizer} does not match the SHA-256 its meta.json records" in line, line
         os.remove(tokenizer)
         os.mkfifo(tokenizer)  # never opened for a read that waits on a writer
-        line = one_error_line(["generate", str(bpe_run), *GENERATE], capsys)
+        line = one_line_exit_2(["generate", str(bpe_run), *GENERATE], capsys)
         assert f"cannot read tokenizer {tokenizer}" in line, line
     finally:
         os.remove(tokenizer)

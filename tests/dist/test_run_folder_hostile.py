@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY, env_for_subprocess, run_ddptrain
+from helpers import TINY, env_for_subprocess, mounted_tmpfs, run_ddptrain
 
 from ddptrain.cli import main
 
@@ -233,16 +233,9 @@ def test_checkpoints_that_is_not_a_folder_is_refused_before_training(
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs (root only: skipped where mounting is not permitted), unmounted afterwards."""
-    mount_point = tmp_path / "small-disk"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
-    try:
+    """A 4 MiB tmpfs, unmounted afterwards."""
+    with mounted_tmpfs(tmp_path / "small-disk", "4m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def fill(folder: Path) -> None:

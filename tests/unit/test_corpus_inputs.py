@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import TINY, folder_bytes
+from helpers import TINY, folder_bytes, one_line_exit_2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -32,16 +32,6 @@ from ddptrain.errors import DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCE = STDLIB / "argparse.py"
-
-
-def one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """main(argv) exits 2 with exactly one stderr line, `ddptrain CMD: error: ...`; that line."""
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2 and len(lines) == 1, (rc, out, err)
-    assert lines[0].startswith(f"ddptrain {argv[0]}: error: ") and "Traceback" not in out + err, lines
-    return lines[0]
 
 
 def handmade_corpus(folder: Path, vocab: int, train: np.ndarray, val: np.ndarray, fmt: int = 3) -> dict[str, Any]:
