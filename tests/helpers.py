@@ -168,3 +168,11 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def write_run_records(folder: Path, records: list[Any], name: str, max_steps: int) -> Path:
+    """A run folder holding only metrics.jsonl (these records) and a minimal config.yaml: what
+    `ddptrain report` reads, for tests of the report without a training run."""
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "config.yaml").write_text(f"run:\n  name: {name}\ntrain:\n  max_steps: {max_steps}\n")
+    return folder

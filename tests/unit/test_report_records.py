@@ -7,11 +7,11 @@ diagnostic events, the summary, the plot marks).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import write_run_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_report_story import RECORDS
@@ -55,9 +55,7 @@ JSON = st.recursive(
 
 
 def write(folder: Path, records: list[Any]) -> Path:
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (folder / "config.yaml").write_text("run:\n  name: mutated\ntrain:\n  max_steps: 11\n")
-    return folder
+    return write_run_records(folder, records, "mutated", 11)
 
 
 def full_report_text(folder: Path) -> str:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import write_run_records
 
 from ddptrain.cli import main
 from ddptrain.observe.report import EVENT_STYLE, event_marks, read_records
@@ -61,9 +62,7 @@ RECORDS = [
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    (tmp_path / "config.yaml").write_text("run:\n  name: story\ntrain:\n  max_steps: 10\n")
-    return tmp_path
+    return write_run_records(tmp_path, RECORDS, "story", 10)
 
 
 def test_abandoned_records_are_cut_and_time_is_accounted(run_dir: Path) -> None:
