@@ -224,8 +224,8 @@ def generate(
 
 def slurm(args: argparse.Namespace) -> int:
     """Write the sbatch script for a config (and submit it with --submit)."""
+    from ddptrain.cli_options import from_args
     from ddptrain.launch.jobspec import load_job_config
-    from ddptrain.launch.options import from_args
     from ddptrain.launch.slurm import SlurmJob, submit, write_script
 
     cfg = load_job_config(args.config, args.overrides)
@@ -239,9 +239,9 @@ def slurm(args: argparse.Namespace) -> int:
 
 def k8s(args: argparse.Namespace) -> int:
     """Print (or write) the PyTorchJob manifest for a config."""
+    from ddptrain.cli_options import from_args
     from ddptrain.launch.jobspec import load_job_config
     from ddptrain.launch.k8s import K8sJob, render_manifest
-    from ddptrain.launch.options import from_args
 
     cfg = load_job_config(args.config, args.overrides)
     if args.out:
@@ -366,8 +366,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argp
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ddptrain.cli_options import add_options
     from ddptrain.launch.k8s import K8sJob
-    from ddptrain.launch.options import add_options
     from ddptrain.launch.slurm import SlurmJob
 
     common = argparse.ArgumentParser(add_help=False)

@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from ddptrain.checks import script_text
+from ddptrain.cli_options import option
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.etcd_endpoints import format_endpoint, parse_endpoints
@@ -52,7 +53,6 @@ from ddptrain.launch.jobspec import (
     stop_budget_s,
     worker_stop_s,
 )
-from ddptrain.launch.options import option
 from ddptrain.launch.quantities import k8s_quantity
 
 OPERATOR_VERSION = "v1.9.0"  # the Kubeflow Training Operator release whose source this follows

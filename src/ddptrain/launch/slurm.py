@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddptrain.checks import script_text
+from ddptrain.cli_options import option
 from ddptrain.config import Config, DataConfig
 from ddptrain.data.corpus import corpus_ready
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
@@ -37,7 +38,6 @@ from ddptrain.launch.jobspec import (
     stop_budget_s,
     worker_stop_s,
 )
-from ddptrain.launch.options import option
 from ddptrain.launch.quantities import slurm_mem_mb
 from ddptrain.safe_files import ensure_dir, open_new_no_follow, write_text_replace
 
