@@ -32,8 +32,8 @@ from torch.distributed.fsdp import fully_shard
 
 from bench.common import Options, Row, Variant, interleave, run_job, summary
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
-from ddptrain.checkpoint.dcp_writer import DcpWriter
-from ddptrain.checkpoint.writer import WRITERS
+from ddptrain.checkpoint.formats.base import WRITERS
+from ddptrain.checkpoint.formats.dcp import DcpWriter
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
 from ddptrain.models.gpt import GPT, Block

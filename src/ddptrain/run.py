@@ -41,8 +41,8 @@ from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.compat import run_identity
-from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.checkpoint.export import export_model
+from ddptrain.checkpoint.formats.dcp import DcpWriter
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
 from ddptrain.checkpoint.durable import write_durable
+from ddptrain.checkpoint.formats.base import DEFAULT_WRITER, WRITERS, CheckpointWriter, DcpWriter
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     TMP_PREFIX,
@@ -60,7 +61,6 @@ from ddptrain.checkpoint.manifest import (
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
-from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter, DcpWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError

@@ -22,6 +22,7 @@ from typing import IO, Any
 import torch
 
 from ddptrain.checkpoint.digests import SHOWN, new_hasher
+from ddptrain.checkpoint.formats.base import WRITERS, CheckpointWriter
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -32,7 +33,6 @@ from ddptrain.checkpoint.manifest import (
     parse_manifest,
     step_of,
 )
-from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter
 from ddptrain.errors import CheckpointError
 from ddptrain.safe_files import open_regular, read_bytes_no_follow
 

@@ -30,8 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from ddptrain.checkpoint.durable import write_stream
-from ddptrain.checkpoint.manifest import FileEntry
-from ddptrain.checkpoint.writer import (
+from ddptrain.checkpoint.formats.base import (
     SHARED_KEYS,
     local_files,
     local_required,
@@ -39,6 +38,7 @@ from ddptrain.checkpoint.writer import (
     to_cpu,
     write_all,
 )
+from ddptrain.checkpoint.manifest import FileEntry
 from ddptrain.errors import CheckpointError
 
 if TYPE_CHECKING:

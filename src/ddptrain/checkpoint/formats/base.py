@@ -157,8 +157,8 @@ def read_local(ckpt: VerifiedCheckpoint, rank: int, world_size: int) -> dict[str
 
 
 # The sharded and dcp writers build on the helpers above, so they are imported after them.
-from ddptrain.checkpoint.dcp_writer import DcpWriter as DcpWriter  # noqa: E402
-from ddptrain.checkpoint.sharded import ShardedWriter  # noqa: E402
+from ddptrain.checkpoint.formats.dcp import DcpWriter as DcpWriter  # noqa: E402
+from ddptrain.checkpoint.formats.sharded import ShardedWriter  # noqa: E402
 
 WRITERS: dict[str, CheckpointWriter] = {w.name: w for w in (RankZeroTorchWriter(), ShardedWriter(), DcpWriter())}
 DEFAULT_WRITER = ShardedWriter.name

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddptrain.checkpoint.durable import new_hashed_file
+from ddptrain.checkpoint.formats.base import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, disk_name
-from ddptrain.checkpoint.writer import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.errors import CheckpointError
 
 if TYPE_CHECKING:
