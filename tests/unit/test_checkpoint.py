@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
-from ddptrain.checkpoint.formats.base import RankZeroTorchWriter
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.manifest import manifest_checksum
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import CkptConfig

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
-from ddptrain.checkpoint.formats.base import RankZeroTorchWriter
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.manifest import manifest_checksum
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from ddptrain.checkpoint import Checkpointer
-from ddptrain.checkpoint.formats.base import RankZeroTorchWriter
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, ManifestError, parse_manifest
 from ddptrain.config import CkptConfig, Config, config_from_mapping, load_config
 from ddptrain.config_io import (
