@@ -3,7 +3,7 @@
 verify_checkpoint checks the folder (a real folder, not a link), the manifest (checksum, types,
 plain names, the files its writer requires) and every listed file (a regular file, not a link,
 the recorded size and digest, of the algorithm the manifest names). It reads each file once: its writer decodes the bytes while they
-are hashed (HashingReader), one thread per file, and the decoded contents are kept in the
+are hashed (HashingReader, hashing_reader.py), one thread per file, and the decoded contents are kept in the
 VerifiedCheckpoint only once every file's hash has matched. Nothing decoded from a file is handed
 out before then, so verification and loading are one pass and a mismatch falls back exactly as
 before. A VerifiedCheckpoint built from a manifest alone (another rank's decision) reads and

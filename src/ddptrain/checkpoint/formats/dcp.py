@@ -1,4 +1,7 @@
-"""The `dcp` checkpoint format: FSDP/HSDP runs save their sharded state with torch.distributed.checkpoint.
+"""The `dcp` checkpoint format: every rank saves its shards of the state with torch.distributed.checkpoint.
+
+FSDP/HSDP runs save with it (ckpt.format=auto); a DDP run does when ckpt.format=dcp (DCP spreads the
+replicated tensors over the ranks).
 
 Files of one checkpoint (all in the same `.tmp-step-N/` folder, committed by the usual protocol):
 
