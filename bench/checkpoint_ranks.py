@@ -32,12 +32,9 @@ from torch.distributed.fsdp import fully_shard
 
 from bench.common import Options, Row, Variant, interleave, run_job, summary
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
-from ddptrain.checkpoint.dcp_writer import DcpWriter
-from ddptrain.checkpoint.writer import WRITERS
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
 from ddptrain.models.gpt import GPT, Block
-from ddptrain.train.sharded_state import load_dcp, sharded_state
 
 WRITER_NAMES = ("sharded", "rank0-torch")
 
@@ -50,12 +47,12 @@ class _Worker:
         self.model, self.opt = self._trained(large, sharded=False)
         self.fsdp, self.fsdp_opt = self._trained(large, sharded=True)
         self.dcp = {
-            a: Checkpointer(CkptConfig(async_save=a, keep=2), folder / f"dcp-{a}", ctx, {}, writer=DcpWriter())
+            a: Checkpointer(CkptConfig(async_save=a, keep=2, format="dcp"), folder / f"dcp-{a}", ctx, {})
             for a in (False, True)
         }
         self.ckpts = {
             (w, a): Checkpointer(
-                CkptConfig(async_save=a, keep=2), folder / f"{w}-{'async' if a else 'sync'}", ctx, {}, writer=WRITERS[w]
+                CkptConfig(async_save=a, keep=2, format=w), folder / f"{w}-{'async' if a else 'sync'}", ctx, {}
             )
             for w in WRITER_NAMES
             for a in (False, True)
@@ -93,7 +90,7 @@ class _Worker:
         self.n += 1
         dist.barrier()
         t0 = time.perf_counter()
-        m, o = sharded_state(self.fsdp, self.fsdp_opt)
+        m, o = ckpt.capture(self.fsdp, self.fsdp_opt)
         ckpt.save(self.n, {"model": m, "optimizer": o, "trainer": {"step": self.n}}, {"rng": {"rank": self.ctx.rank}})
         seconds = time.perf_counter() - t0
         ckpt.wait()
@@ -104,11 +101,11 @@ class _Worker:
         return self.slowest(seconds)
 
     def load_dcp(self) -> float:
-        """Both ranks: verify the newest dcp checkpoint and load it into the sharded model and optimizer."""
+        """Both ranks: verify the newest dcp checkpoint and restore it (into the sharded model and optimizer, in place)."""
 
         def work() -> None:
             ckpt = verify_checkpoint(self.newest["dcp"])
-            load_dcp(self.dcp[False], ckpt, self.fsdp, self.fsdp_opt)
+            self.dcp[False].restore(ckpt, self.fsdp, self.fsdp_opt)
 
         return self._timed_load(work, 2)
 

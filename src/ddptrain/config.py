@@ -317,6 +317,10 @@ class CkptConfig(_Section):
         "blake3",
         description="Checksum of every checkpoint file, named in its manifest: blake3 (cryptographic, several times faster) or sha256 (e.g. where a rule requires it); resume reads either.",
     )
+    format: Literal["auto", "sharded", "dcp", "rank0-torch"] = Field(
+        "auto",
+        description="How checkpoints are written: auto (sharded under dist.strategy=ddp, dcp under fsdp/hsdp), sharded (every rank writes its share of the full state; ddp only), dcp (torch.distributed.checkpoint, every rank its shards; any strategy) or rank0-torch (rank 0 writes one torch.save file per object; ddp only). Resume reads any format, whatever this says.",
+    )
 
 
 class LogConfig(_Section):

@@ -41,8 +41,9 @@ from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.compat import run_identity
-from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.checkpoint.export import export_model
+from ddptrain.checkpoint.formats.base import CheckpointFormat
+from ddptrain.checkpoint.formats.registry import checkpoint_format
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
@@ -227,10 +228,11 @@ def build_run(
     """
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
+    writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
     model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     lease, tag = take_lease(run_dir, ctx)
     try:
-        return _build(cfg, ctx, (lease, tag), model, datasets, trainer_cls, timeline)
+        return _build(cfg, ctx, (lease, tag), writer, model, datasets, trainer_cls, timeline)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -268,6 +270,7 @@ def _build(
     cfg: Config,
     ctx: DistContext,
     leased: tuple[RunLease | None, str],
+    writer: CheckpointFormat,
     model: ModelSource,
     datasets: DataSource,
     trainer_cls: type[Trainer],
@@ -292,8 +295,6 @@ def _build(
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
     config = cfg.model_dump(mode="json", by_alias=True)
-    # Sharded runs save through DCP (every rank its shards); DDP runs through the default writer.
-    writer = DcpWriter() if cfg.dist.strategy != "ddp" else None
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
     checkpointer = Checkpointer(
         cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer, tag, lost

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.manifest import manifest_checksum
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
-from ddptrain.checkpoint.writer import RankZeroTorchWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import verify_checkpoint
-from ddptrain.checkpoint.dcp_writer import DcpWriter, HashingFiles, load_sharded
 from ddptrain.checkpoint.digests import DEFAULT_HASH, HASHES, new_hasher
+from ddptrain.checkpoint.formats.dcp import DcpWriter, HashingFiles, load_sharded
 from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, Manifest, disk_name, is_plain_name
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.errors import CheckpointError

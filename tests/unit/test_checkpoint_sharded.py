@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
 from ddptrain.checkpoint.digests import DEFAULT_HASH, new_hasher
+from ddptrain.checkpoint.formats.sharded import STRUCTURE, ShardedWriter, part_name, partition
 from ddptrain.checkpoint.manifest import FileEntry, Manifest, manifest_checksum
-from ddptrain.checkpoint.sharded import STRUCTURE, ShardedWriter, part_name, partition
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext

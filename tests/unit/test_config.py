@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, ManifestError, parse_manifest
-from ddptrain.checkpoint.writer import RankZeroTorchWriter
 from ddptrain.config import CkptConfig, Config, config_from_mapping, load_config
 from ddptrain.config_io import (
     MAX_CONFIG_CHARS,

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
 from ddptrain.checkpoint.lease import LEASE, STALE_S, LeaseHeld, RunLease, me, read_owner
-from ddptrain.checkpoint.writer import RankZeroTorchWriter
 from ddptrain.cli import main
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext

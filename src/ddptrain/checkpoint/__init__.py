@@ -1,6 +1,6 @@
-"""Transactional checkpoints: writing (writer, durable), committing and policy (checkpointer, policy),
-verification (manifest, verify), the folder's rules (store), config checks at resume (compat) and
-the run folder's lease (lease). See docs/checkpoints.md."""
+"""Transactional checkpoints: formats (formats/) and durable writes (durable), committing and policy
+(checkpointer, policy), verification (manifest, verify), the folder's rules (store), config checks at
+resume (compat) and the run folder's lease (lease). See docs/checkpoints.md."""
 
 from ddptrain.checkpoint.checkpointer import Checkpointer, ResumePoint
 from ddptrain.checkpoint.manifest import MANIFEST, Manifest, ManifestError, checkpoint_name

@@ -1,24 +1,14 @@
 """Transactional checkpoints: a folder is either fully committed and verified, or never loaded.
 
-Layout of one checkpoint, `run.dir/checkpoints/step-00000100/` (files by the writer, writer.py;
-the default, sharded.py):
+Layout of one checkpoint, `run.dir/checkpoints/step-00000100/`: the files of the run's format
+(ckpt.format; formats/, each module's docstring lists its files), written by the ranks as the
+format says, and
 
-    structure.pt                           written by rank 0: the state without its tensors
-    tensors-<r>-of-<W>.bin                 written by rank r: its share of the tensors (DDP keeps
-                                           the state identical on all ranks, so each writes 1/W)
-    rng-rank0.pt ... rng-rank{W-1}.pt      written by each rank (its own RNG streams)
     manifest.json                          every file's digest (ckpt.hash) and size, step, world size, timeline,
-                                           writer, config, identity, and its own checksum (manifest.py)
+                                           writer (the format's name), config, identity, and its own checksum
+                                           (manifest.py)
 
-FSDP/HSDP runs use the `dcp` writer (dcp_writer.py): every rank's shards through
-torch.distributed.checkpoint, in the same temp folder and under the same protocol:
-
-    __<r>_0.distcp                         written by rank r: its shards of model and optimizer
-    .metadata                              written by rank 0 (DCP); listed as `dcp.metadata`
-    trainer.pt                             written by rank 0: step, schedule, scaler, sampler
-    rng-rank0.pt ... rng-rank{W-1}.pt      as above
-
-Checkpoints of the older `rank0-torch` writer (model.pt, optimizer.pt, trainer.pt by rank 0) load too.
+A run resumes from a checkpoint of any format: its manifest names the one that reads it.
 
 The protocol: every rank writes its files as new files under a new `.tmp-step-00000100.<tag>/`
 (never through an existing name or link; the tag is the run's lease token, so two runs never share
@@ -44,10 +34,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
 from ddptrain.checkpoint.durable import write_durable
+from ddptrain.checkpoint.formats.base import CheckpointFormat
+from ddptrain.checkpoint.formats.registry import checkpoint_format
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     TMP_PREFIX,
@@ -60,7 +54,6 @@ from ddptrain.checkpoint.manifest import (
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
-from ddptrain.checkpoint.writer import DEFAULT_WRITER, WRITERS, CheckpointWriter, DcpWriter
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
@@ -91,7 +84,7 @@ class Checkpointer:
         ctx: DistContext,
         config: dict[str, Any],
         identity: dict[str, Any] | None = None,
-        writer: CheckpointWriter | None = None,
+        writer: CheckpointFormat | None = None,
         tag: str = "",
         lease_lost: Callable[[], str | None] | None = None,
     ) -> None:
@@ -101,7 +94,8 @@ class Checkpointer:
         self.ctx = ctx
         self.config = config
         self.identity = identity or {}
-        self.writer: CheckpointWriter = writer or WRITERS[DEFAULT_WRITER]
+        # Alone (benchmarks, tests) a Checkpointer saves full, replicated state: ckpt.format as under DDP.
+        self.writer = writer or checkpoint_format(cfg.format, "ddp")
         self.policy = SavePolicy(cfg)
         self.timeline = uuid.uuid4().hex  # replaced by the resumed checkpoint's (find_resume)
         self._thread: threading.Thread | None = None
@@ -122,9 +116,7 @@ class Checkpointer:
         # background thread and must never interleave with the training loop's.
         if self.ctx.is_distributed:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
-        bind = getattr(self.writer, "bind", None)
-        if callable(bind):  # the dcp writer runs DCP's own collectives on this group
-            bind(self._group)
+        self.writer.bind(self._group)  # a format with collectives of its own runs them on this group
         if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
             for stale in self.dir.glob(f"{TMP_PREFIX}*"):
                 if self.tag and stale.name.endswith(f".{self.tag}"):
@@ -142,9 +134,13 @@ class Checkpointer:
 
     # ---- saving -------------------------------------------------------------------------
 
+    def capture(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, optimizer) state in the form this run's format saves: the full state, or this rank's shards."""
+        return self.writer.capture(model, optimizer)
+
     def save(self, step: int, shared: dict[str, Any], local: dict[str, Any]) -> None:
-        """Checkpoint `step`. shared: the state identical on every rank (each writes its share), or for the dcp
-        writer this rank's shards of it; local: this rank's own.
+        """Checkpoint `step`. shared: model and optimizer as capture() gives them, and the trainer state
+        (identical on every rank); local: this rank's own.
 
         A synchronous save is committed (or failed) when this returns. An async save first waits
         for the previous one (a save never starts before the previous commit), snapshots the
@@ -327,19 +323,23 @@ class Checkpointer:
 
     def read(self, ckpt: VerifiedCheckpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(shared, local) state of this rank from a verified checkpoint; local None at a new world size."""
-        writer = WRITERS.get(ckpt.manifest.writer)
-        if writer is None:
-            raise CheckpointError(f"{ckpt.path.name}: written by an unknown writer {ckpt.manifest.writer!r}")
-        state = writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+        state = ckpt.writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
         ckpt.release()  # the state now owns the tensors: a second read reads (and verifies) the files again
         return state
 
-    def load_sharded(self, ckpt: VerifiedCheckpoint, state: dict[str, Any]) -> None:
-        """All ranks: fill state ({"model", "optimizer"} as get_state_dict gives them) from a dcp checkpoint.
+    def restore(
+        self, ckpt: VerifiedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """All ranks: load a verified checkpoint, whatever its format; read()'s (shared, local) state.
 
-        DCP reshards: any world size and strategy reads any dcp checkpoint, from verified bytes only.
+        The checkpoint's format first loads into model and optimizer, in place, what it keeps sharded
+        (resharded for this run's world size and strategy, from verified bytes only); shared holds the
+        rest (for a full-state format, model and optimizer too).
         """
-        DcpWriter.load(ckpt, state, self._group)
+        fmt = ckpt.writer
+        fmt.bind(self._group)
+        fmt.restore(ckpt, model, optimizer)
+        return self.read(ckpt)
 
     def _inside_own_folder(self, path: Path) -> bool:
         return path.parent.resolve() == self.dir.resolve()

@@ -3,7 +3,7 @@
 verify_checkpoint checks the folder (a real folder, not a link), the manifest (checksum, types,
 plain names, the files its writer requires) and every listed file (a regular file, not a link,
 the recorded size and digest, of the algorithm the manifest names). It reads each file once: its writer decodes the bytes while they
-are hashed (HashingReader), one thread per file, and the decoded contents are kept in the
+are hashed (HashingReader, hashing_reader.py), one thread per file, and the decoded contents are kept in the
 VerifiedCheckpoint only once every file's hash has matched. Nothing decoded from a file is handed
 out before then, so verification and loading are one pass and a mismatch falls back exactly as
 before. A VerifiedCheckpoint built from a manifest alone (another rank's decision) reads and
@@ -17,11 +17,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
-from ddptrain.checkpoint.digests import SHOWN, new_hasher
+from ddptrain.checkpoint.digests import SHOWN
+from ddptrain.checkpoint.formats.base import CheckpointFormat
+from ddptrain.checkpoint.formats.registry import format_named
+from ddptrain.checkpoint.hashing_reader import HashingReader
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -32,58 +35,10 @@ from ddptrain.checkpoint.manifest import (
     parse_manifest,
     step_of,
 )
-from ddptrain.checkpoint.writer import WRITERS, CheckpointWriter
 from ddptrain.errors import CheckpointError
 from ddptrain.safe_files import open_regular, read_bytes_no_follow
 
-_CHUNK = 4 << 20
 _MAX_THREADS = 8
-
-
-class HashingReader:
-    """A file of known size read forwards once; every byte read is hashed on the way (the GIL is
-    released for big buffers, so files hashed in parallel threads overlap)."""
-
-    def __init__(self, f: IO[bytes], size: int, algorithm: str) -> None:
-        self._f, self.left, self._hasher = f, size, new_hasher(algorithm)
-
-    def read(self, n: int) -> bytes:
-        """Up to n bytes (fewer only at the end of the file)."""
-        data = self._f.read(max(0, min(n, self.left)))
-        self._hasher.update(data)
-        self.left -= len(data)
-        return data
-
-    def read_all(self) -> bytes:
-        """Every byte not read yet, as one bytes object."""
-        chunks = []
-        while self.left > 0:
-            data = self.read(self.left)  # one read for a regular file; short reads loop
-            if not data:
-                break
-            chunks.append(data)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def readinto(self, buf: memoryview) -> None:
-        """Fill buf completely; EOFError when the file ends first."""
-        if len(buf) > self.left:
-            raise EOFError("the file ends early")
-        done = 0
-        while done < len(buf):
-            got = self._f.readinto(buf[done:])  # type: ignore[attr-defined]
-            if not got:
-                raise EOFError("the file ends early")
-            done += got
-        self._hasher.update(buf)
-        self.left -= len(buf)
-
-    def finish(self) -> tuple[int, str]:
-        """Hash what was not read yet; (bytes hashed beyond the expected size, hex digest)."""
-        while self.left > 0:
-            if not self.read(_CHUNK):
-                break
-        extra = len(self._f.read(1))
-        return extra - self.left, self._hasher.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -103,9 +58,12 @@ class VerifiedCheckpoint:
         return self.manifest.step
 
     @property
-    def writer(self) -> CheckpointWriter:
-        """The writer that wrote (and so reads) this checkpoint."""
-        return WRITERS[self.manifest.writer]
+    def writer(self) -> CheckpointFormat:
+        """The format that wrote (and so reads) this checkpoint."""
+        writer = format_named(self.manifest.writer)
+        if writer is None:
+            raise CheckpointError(f"{self.path.name}: written by an unknown writer {self.manifest.writer!r}")
+        return writer
 
     def content(self, name: str) -> Any:
         """The decoded content of one listed file (as its writer's decode returned it), verified."""
@@ -157,7 +115,7 @@ def read_manifest(path: Path) -> Manifest:
     return parse_manifest(data)
 
 
-def _read_file(path: Path, name: str, entry: FileEntry, algorithm: str, writer: CheckpointWriter, keep: bool) -> Any:
+def _read_file(path: Path, name: str, entry: FileEntry, algorithm: str, writer: CheckpointFormat, keep: bool) -> Any:
     """Read one listed file once without following a link, decoding it (keep) while hashing it."""
     on_disk = disk_name(name)
     shown = name if on_disk == name else f"{on_disk} (listed as {name})"  # messages name the file a user sees
@@ -208,7 +166,7 @@ def _verify(path: Path, keep: bool) -> VerifiedCheckpoint:
     named_step = step_of(path.name)
     if named_step is not None and named_step != manifest.step:
         raise ManifestError(f"{MANIFEST} is of step {manifest.step}, not of the folder's step {named_step} (renamed?)")
-    writer = WRITERS.get(manifest.writer)
+    writer = format_named(manifest.writer)
     if writer is None:
         raise ManifestError(f"{MANIFEST} names an unknown writer {manifest.writer[:40]!r}")
     missing = sorted(writer.required(manifest.world_size) - set(manifest.files))

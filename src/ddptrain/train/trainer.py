@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
-from ddptrain.checkpoint.dcp_writer import DcpWriter
 from ddptrain.config import Config
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
@@ -45,7 +44,7 @@ from ddptrain.train.preemption import LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
-from ddptrain.train.sharded_state import by_name, load_dcp, sharded_state
+from ddptrain.train.sharded_state import by_name
 from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
 
 log = logging.getLogger(__name__)
@@ -98,16 +97,7 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(
             n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
         )
-        # The loader gets its own generator: creating an iterator (at resume, at each epoch)
-        # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
-        self.loader = DataLoader(
-            train_set,
-            batch_size=cfg.data.micro_batch_size,
-            sampler=self.sampler,
-            num_workers=cfg.data.num_workers,
-            pin_memory=ctx.device.type == "cuda",
-            generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
-        )
+        self.loader = self._loader(train_set)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else None
@@ -133,6 +123,20 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
         self._batches: Iterator[Any] | None = None
+
+    def _loader(self, train_set: Dataset[Any]) -> DataLoader[Any]:
+        """This rank's micro-batches, in the sampler's order."""
+        cfg, ctx = self.cfg, self.ctx
+        # The loader gets its own generator: creating an iterator (at resume, at each epoch)
+        # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
+        return DataLoader(
+            train_set,
+            batch_size=cfg.data.micro_batch_size,
+            sampler=self.sampler,
+            num_workers=cfg.data.num_workers,
+            pin_memory=ctx.device.type == "cuda",
+            generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
+        )
 
     def setup(self) -> None:
         """All ranks, in the run's set-up: the stop agreement's group (a collective only next to NCCL)."""
@@ -214,12 +218,9 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Training state (model, optimizer, schedule, scaler, data position): full and rank-independent,
-        or, for the dcp writer, model and optimizer as this rank's shards (DTensors under FSDP)."""
-        if self.checkpointer.writer.name == DcpWriter.name:  # every sharded (FSDP/HSDP) run: run.py picks it
-            model_state, optim_state = sharded_state(self.model, self.optimizer)
-        else:
-            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        """Training state (model, optimizer, schedule, scaler, data position); model and optimizer in the form the
+        run's checkpoint format saves (full and rank-independent, or this rank's shards: DTensors under FSDP)."""
+        model_state, optim_state = self.checkpointer.capture(self.model, self.optimizer)
         return {
             "model": model_state,
             "optimizer": optim_state,
@@ -233,8 +234,8 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore state_dict() (model and optimizer: full state; absent when resume() loaded them from DCP);
-        the data stream continues at the next global sample."""
+        """Restore state_dict() (model and optimizer: full state; absent when the checkpoint's format restored
+        them in place, in resume()); the data stream continues at the next global sample."""
         if "model" in state:
             optim_state = state["optimizer"]
             if is_sharded(self.model):  # a DDP checkpoint's optimizer state is keyed by index; FSDP's by name
@@ -270,13 +271,11 @@ class Trainer:
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
         """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
 
-        Any strategy resumes any checkpoint: a full state (sharded, rank0-torch) is sharded on load under
-        FSDP; a dcp checkpoint fills this run's own form of the state (DTensor shards under FSDP, whole
-        tensors under DDP), DCP reading the slices each rank needs, whatever world size saved it.
+        Any strategy resumes any checkpoint: a full state is sharded on load under FSDP; a checkpoint of
+        per-rank shards fills this run's own form of the state (DTensor shards under FSDP, whole tensors
+        under DDP) in place, its format reading the slices each rank needs, whatever world size saved it.
         """
-        if ckpt.manifest.writer == DcpWriter.name:
-            load_dcp(self.checkpointer, ckpt, self.model, self.optimizer)
-        shared, local = self.checkpointer.read(ckpt)
+        shared, local = self.checkpointer.restore(ckpt, self.model, self.optimizer)
         self.load_state_dict(shared)
         if local is not None:
             load_rng_state(local["rng"])

@@ -25,24 +25,16 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import torch
 
 from ddptrain.checkpoint.durable import write_stream
+from ddptrain.checkpoint.formats.base import SHARED_KEYS, CheckpointFormat, ReadableCheckpoint
+from ddptrain.checkpoint.formats.common import local_files, local_required, read_local, to_cpu, write_all
+from ddptrain.checkpoint.hashing_reader import HashingReader
 from ddptrain.checkpoint.manifest import FileEntry
-from ddptrain.checkpoint.writer import (
-    SHARED_KEYS,
-    local_files,
-    local_required,
-    read_local,
-    to_cpu,
-    write_all,
-)
 from ddptrain.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
 
 STRUCTURE = "structure.pt"
 # Each rank writes its share as two files, a thread each: while one thread hashes, the other
@@ -202,10 +194,11 @@ def _read_part(reader: HashingReader) -> dict[str, Any]:
     return {"part": header["part"], "parts": header["parts"], "tensors": tensors}
 
 
-class ShardedWriter:
+class ShardedWriter(CheckpointFormat):
     """Every rank writes its share of the shared tensors (partition()); rank 0 the structure; each rank its RNG."""
 
     name = "sharded"
+    strategies = frozenset({"ddp"})  # the full state on every rank: under FSDP/HSDP each holds only its shards
 
     def snapshot(
         self, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
@@ -252,7 +245,7 @@ class ShardedWriter:
             return _read_part(reader)
         return reader.read_all()
 
-    def _assemble(self, ckpt: VerifiedCheckpoint) -> dict[str, Any]:
+    def _assemble(self, ckpt: ReadableCheckpoint) -> dict[str, Any]:
         """The shared state: the structure with every part's tensors in their slots, each id exactly once."""
         where = ckpt.path.name
         structure = ckpt.load(STRUCTURE)
@@ -273,19 +266,19 @@ class ShardedWriter:
         state: dict[str, Any] = join(structure["tree"], slots, tensors)
         return state
 
-    def read_shared(self, ckpt: VerifiedCheckpoint, key: str) -> Any:
+    def read_shared(self, ckpt: ReadableCheckpoint, key: str) -> Any:
         """One shared object, assembled from the structure and every part."""
         return _pick(ckpt, self._assemble(ckpt), key)
 
     def read(
-        self, ckpt: VerifiedCheckpoint, rank: int, world_size: int
+        self, ckpt: ReadableCheckpoint, rank: int, world_size: int
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The whole shared state (from every part, whatever world size saved it); local as rank0-torch."""
         state = self._assemble(ckpt)
         return {k: _pick(ckpt, state, k) for k in SHARED_KEYS}, read_local(ckpt, rank, world_size)
 
 
-def _pick(ckpt: VerifiedCheckpoint, state: dict[str, Any], key: str) -> Any:
+def _pick(ckpt: ReadableCheckpoint, state: dict[str, Any], key: str) -> Any:
     if key not in state:
         raise CheckpointError(f"{ckpt.path.name}: its {STRUCTURE} holds no {key!r} state")
     return state[key]

@@ -1,4 +1,7 @@
-"""The `dcp` checkpoint format: FSDP/HSDP runs save their sharded state with torch.distributed.checkpoint.
+"""The `dcp` checkpoint format: every rank saves its shards of the state with torch.distributed.checkpoint.
+
+FSDP/HSDP runs save with it (ckpt.format=auto); a DDP run does when ckpt.format=dcp (DCP spreads the
+replicated tensors over the ranks).
 
 Files of one checkpoint (all in the same `.tmp-step-N/` folder, committed by the usual protocol):
 
@@ -29,22 +32,22 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddptrain.checkpoint.durable import new_hashed_file
+from ddptrain.checkpoint.formats.base import CheckpointFormat, ReadableCheckpoint
+from ddptrain.checkpoint.formats.common import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.checkpoint.manifest import DCP_METADATA, FileEntry, disk_name
-from ddptrain.checkpoint.writer import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from ddptrain.checkpoint.verify import HashingReader, VerifiedCheckpoint
 
 TRAINER = "trainer.pt"
 SHARDED_KEYS = ("model", "optimizer")
@@ -92,7 +95,7 @@ class HashingFiles(FileSystem):
 class VerifiedFiles(FileSystem):
     """DCP's file system, read-only, over a verified checkpoint's kept bytes: nothing comes from disk."""
 
-    def __init__(self, ckpt: VerifiedCheckpoint) -> None:
+    def __init__(self, ckpt: ReadableCheckpoint) -> None:
         super().__init__()
         self.ckpt = ckpt
 
@@ -108,7 +111,7 @@ class VerifiedFiles(FileSystem):
         yield io.BytesIO(data)
 
 
-def verified_reader(ckpt: VerifiedCheckpoint) -> FileSystemReader:
+def verified_reader(ckpt: ReadableCheckpoint) -> FileSystemReader:
     """A DCP reader of ckpt whose every read is served from verified bytes."""
     reader = FileSystemReader(ckpt.path)
     # FileSystemReader reads the metadata and every shard through `self.fs`: replacing it keeps
@@ -119,7 +122,7 @@ def verified_reader(ckpt: VerifiedCheckpoint) -> FileSystemReader:
     return reader
 
 
-def load_sharded(ckpt: VerifiedCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def load_sharded(ckpt: ReadableCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """Fill `state` ({"model": ..., "optimizer": ...} in get_state_dict's form) in place from a dcp checkpoint.
 
     All ranks together (DCP plans the load on `group`); group None loads in this process alone.
@@ -143,10 +146,11 @@ def model_template(metadata: Metadata) -> dict[str, torch.Tensor]:
     }
 
 
-class DcpWriter:
+class DcpWriter(CheckpointFormat):
     """Model and optimizer through DCP (every rank its shards), trainer state by rank 0, RNG by every rank."""
 
     name = "dcp"
+    strategies = frozenset({"ddp", "fsdp", "hsdp"})  # DCP saves shards and whole replicas alike
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None  # the checkpointer's own gloo group (bind)
@@ -154,6 +158,10 @@ class DcpWriter:
     def bind(self, group: dist.ProcessGroup | None) -> None:
         """The group DCP's collectives run on: the checkpointer's, never the training loop's."""
         self.group = group
+
+    def capture(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's shards (DTensors under FSDP, whole tensors otherwise), keyed by name: get_state_dict's form."""
+        return get_state_dict(model, optimizer)
 
     def snapshot(
         self, rank: int, world_size: int, shared: dict[str, Any], local: dict[str, Any]
@@ -195,32 +203,32 @@ class DcpWriter:
         shards = {f"__{r}_0.distcp" for r in range(world_size)}
         return {DCP_METADATA, TRAINER} | shards | local_required(world_size)
 
-    def decode(self, name: str, reader: HashingReader) -> Any:
-        """Every file's bytes: DCP and torch.load read them only once all were verified."""
-        return reader.read_all()
-
-    @staticmethod
-    def load(ckpt: VerifiedCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-        """load_sharded (below), for the checkpointer, which reaches the writers through writer.py."""
-        load_sharded(ckpt, state, group)
-
-    def metadata(self, ckpt: VerifiedCheckpoint) -> Metadata:
+    def metadata(self, ckpt: ReadableCheckpoint) -> Metadata:
         """DCP's metadata of ckpt, from its verified bytes."""
         metadata: Metadata = verified_reader(ckpt).read_metadata()
         return metadata
 
-    def read_shared(self, ckpt: VerifiedCheckpoint, key: str) -> Any:
+    def read_shared(self, ckpt: ReadableCheckpoint, key: str) -> Any:
         """'trainer'; or 'model' consolidated into full tensors in this process (export, generate)."""
         if key == "trainer":
             return ckpt.load(TRAINER)
         if key != "model":
             raise CheckpointError(f"{ckpt.path.name}: a dcp checkpoint's {key!r} state loads into a live run only")
         state = {"model": model_template(self.metadata(ckpt))}
-        self.load(ckpt, state, None)
+        load_sharded(ckpt, state, None)
         return state["model"]
 
     def read(
-        self, ckpt: VerifiedCheckpoint, rank: int, world_size: int
+        self, ckpt: ReadableCheckpoint, rank: int, world_size: int
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """The trainer state and this rank's local state; model and optimizer come through load_sharded."""
+        """The trainer state and this rank's local state; model and optimizer come through restore()."""
         return {"trainer": ckpt.load(TRAINER)}, read_local(ckpt, rank, world_size)
+
+    def restore(self, ckpt: ReadableCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """All ranks: model and optimizer in this run's form; DCP reads the slices each rank needs, on the bound group.
+
+        The template is get_state_dict's: it initialises a fresh optimizer's state, so every key exists to be filled.
+        """
+        model_state, optim_state = get_state_dict(model, optimizer)
+        load_sharded(ckpt, {"model": model_state, "optimizer": optim_state}, self.group)  # fills them in place
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)

@@ -1,0 +1,1 @@
+"""Checkpoint formats: how a checkpoint's state becomes files and back, one module per format."""
