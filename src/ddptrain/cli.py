@@ -49,6 +49,7 @@ from ddptrain.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
+from ddptrain.run_folder import stacks_dir
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
@@ -153,7 +154,7 @@ def triage(run_dir: str) -> int:
     """Print the verdict of the hang recorded in run_dir/stacks."""
     from ddptrain.observe.verdict import verdict
 
-    print(verdict(Path(run_dir) / "stacks"))
+    print(verdict(stacks_dir(Path(run_dir))))
     return 0
 
 

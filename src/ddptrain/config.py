@@ -25,6 +25,7 @@ from ddptrain.config_io import (
     load_yaml,
     one_line_text,
     read_text_file,
+    read_yaml_mapping,
 )
 from ddptrain.errors import ConfigError
 
@@ -457,17 +458,7 @@ class Config(_Section):
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load YAML (or the built-in defaults when path is None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        text = read_text_file(p, "config file")
-        try:
-            loaded = load_yaml(text, str(p))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {' '.join(str(e).split())}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
-        data = loaded or {}
+    data = read_yaml_mapping(Path(path), "config file") if path is not None else {}
     return config_from_mapping(data, overrides or [])
 
 

@@ -172,6 +172,19 @@ def read_text_file(path: Path, what: str) -> str:
         raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """The mapping a YAML file holds (empty for an empty file), read and parsed within the bounds above; ConfigError
+    (one line naming the file as `what PATH`) when it cannot be read, is not YAML or holds something else."""
+    text = read_text_file(path, what)
+    try:
+        loaded = load_yaml(text, str(path))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded or {}
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.max_steps=100)")

@@ -23,6 +23,7 @@ from ddptrain.data.corpus import read_meta
 from ddptrain.data.tokenizer import Tokenizer, load_tokenizer_file
 from ddptrain.errors import CheckpointError, ConfigError, DataError
 from ddptrain.models.gpt import GPT
+from ddptrain.run_folder import checkpoints_dir
 
 _Section = TypeVar("_Section", ModelConfig, DataConfig)
 
@@ -41,7 +42,7 @@ def saved_section(ckpt: VerifiedCheckpoint, name: str, kind: type[_Section]) -> 
 
 def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, VerifiedCheckpoint]:
     """The built-in GPT of the newest verified checkpoint: (model in eval mode, the checkpoint)."""
-    ckpt = newest_verified(run_dir / "checkpoints", lambda text: print(text, file=sys.stderr))
+    ckpt = newest_verified(checkpoints_dir(run_dir), lambda text: print(text, file=sys.stderr))
     model_cfg = saved_section(ckpt, "model", ModelConfig)
     if model_cfg.target is not None or model_cfg.hf is not None or model_cfg.live is not None:
         raise ConfigError(

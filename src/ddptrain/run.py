@@ -70,6 +70,7 @@ from ddptrain.observe.runlog import run_logging, stop_rank_files
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
+from ddptrain.run_folder import checkpoints_dir, config_file, export_dir, report_dir, stacks_dir
 from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
@@ -150,7 +151,7 @@ class Run:
             self.triage.idle()
             stop.uninstall()
         self.progress.close()
-        log.info("done: %d steps; checkpoints in %s", trainer.step, self.cfg.run_dir / "checkpoints")
+        log.info("done: %d steps; checkpoints in %s", trainer.step, checkpoints_dir(self.cfg.run_dir))
         self._end("completed", 0)  # before the artifacts: the uploaded report tells the ending too
         if self.cfg.log.track_artifacts and ctx.is_main:
             self._upload_artifacts()
@@ -170,10 +171,10 @@ class Run:
                 from ddptrain.observe.report import report  # matplotlib loads only here
 
                 report(run_dir)
-                self.metrics.upload(run_dir / "report", "report")
+                self.metrics.upload(report_dir(run_dir), "report")
             if "model" in wanted:
-                export_model(run_dir, run_dir / "export" / "model.safetensors", None, _say)
-                self.metrics.upload(run_dir / "export", "model")
+                export_model(run_dir, export_dir(run_dir) / "model.safetensors", None, _say)
+                self.metrics.upload(export_dir(run_dir), "model")
         except Exception as e:  # the run has succeeded: a failed extra must not change that
             log.warning("log.track_artifacts: %s: %s; nothing more uploaded", type(e).__name__, e)
 
@@ -321,7 +322,7 @@ def _build(
 def _write_config(cfg: Config) -> None:
     """Rank 0: run.dir/config.yaml, the config this run was accepted with (eval, export, report read it)."""
     try:
-        write_text_replace(cfg.run_dir / "config.yaml", cfg.to_yaml())
+        write_text_replace(config_file(cfg.run_dir), cfg.to_yaml())
     except OSError as e:
         raise UserError(f"cannot write the run folder {cfg.run_dir}: {e.strerror or e}") from None
 
@@ -448,7 +449,7 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
     env = read_torchrun_env()
     cfg.check_world_size(env[1] if env else 1)  # fail on an indivisible batch or shard group before any rendezvous
-    enable_flight_recorder(cfg.run_dir / "stacks")  # torch reads it when the process group is created
+    enable_flight_recorder(stacks_dir(cfg.run_dir))  # torch reads it when the process group is created
     ctx = init_distributed(cfg.dist)
     try:
         yield ctx

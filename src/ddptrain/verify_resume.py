@@ -27,15 +27,14 @@ from ddptrain import run
 from ddptrain.checkpoint.manifest import step_of
 from ddptrain.checkpoint.store import committed_checkpoints, search, select_checkpoint
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
-from ddptrain.config import load_config
 from ddptrain.dist import all_reduce_mean
 from ddptrain.errors import CheckpointError, UserError
-from ddptrain.observe.certificate import FILE, certificate_record, read_certificate
+from ddptrain.observe.certificate import certificate_record, read_certificate
 from ddptrain.observe.runlog import run_logging
+from ddptrain.run_folder import certificate_file, checkpoints_dir, config_file, read_config, replay_dir
 from ddptrain.train.schedules import PlannedSchedule, config_plan
 
 LOSS_RTOL = 1e-3  # relative loss tolerance after a world-size change (see docs/observability.md)
-SCRATCH = "verify-resume"
 
 
 class VerifyError(UserError):
@@ -56,7 +55,7 @@ def _warn(message: str) -> None:
 
 def choose_start(run_dir: Path, logged: dict[int, list[dict[str, Any]]], start: int | None) -> VerifiedCheckpoint:
     """The verified checkpoint to replay from: --from, else the newest good one that has logged steps after it."""
-    ckpts = run_dir / "checkpoints"
+    ckpts = checkpoints_dir(run_dir)
     committed = committed_checkpoints(ckpts)  # newest first
     if start is not None:
         if not any(step_of(p.name) == start for p in committed):
@@ -138,21 +137,21 @@ def verify_resume(run_dir: Path, start: int | None, steps: int) -> int:
     """Replay `steps` steps from a checkpoint of run_dir and print the verdict; 0 when it matches, 1 when not."""
     if steps < 1:
         raise VerifyError(f"--steps must be at least 1, got {steps}")
-    cert = run_dir / FILE
+    cert = certificate_file(run_dir)
     if not cert.is_file():
         raise VerifyError(f"{cert} not found: the run logged no resume certificate (logged steps write it)")
     logged = read_certificate(cert)
     ckpt = choose_start(run_dir, logged, start)
     first = ckpt.step
-    cfg_file = run_dir / "config.yaml"
+    cfg_file = config_file(run_dir)
     if not cfg_file.is_file():
         raise VerifyError(f"{cfg_file} not found: cannot rebuild the run")
-    scratch = run_dir / SCRATCH / f"from-{first}"
+    scratch = replay_dir(run_dir, first)
     # The replay resumes from the run's checkpoint by path (it is verified again there, by rank 0) into the
     # scratch folder, which build_run leases like any run folder: two replays of one step cannot mix their files,
     # and a run still training in run_dir keeps its own lease. Nothing is sent to the experiment trackers.
-    cfg = load_config(
-        cfg_file,
+    cfg = read_config(
+        run_dir,
         [
             f"run.dir={scratch}",
             f"ckpt.resume={ckpt.path.resolve()}",

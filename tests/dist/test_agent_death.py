@@ -21,7 +21,7 @@ from test_broken_output import COMMANDS, newest_step
 from test_interrupt import SLOW, TOY, wait_for_step
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
-from ddptrain.checkpoint.lease import LEASE
+from ddptrain.run_folder import LEASE
 from helpers import env_for_subprocess, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import env_for_subprocess
 
-from ddptrain.checkpoint.lease import LEASE
+from ddptrain.run_folder import LEASE
 from ddptrain.errors import EXIT_LEASE_LOST
 
 pytestmark = pytest.mark.dist

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.checkpoint.lease import LEASE, RunLease, read_owner
+from ddptrain.checkpoint.lease import RunLease, read_owner
+from ddptrain.run_folder import LEASE
 from helpers import folder_bytes, run_ddptrain
 
 pytestmark = pytest.mark.dist

@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
-from ddptrain.checkpoint.lease import LEASE, STALE_S, LeaseHeld, RunLease, me, read_owner
+from ddptrain.checkpoint.lease import STALE_S, LeaseHeld, RunLease, me, read_owner
 from ddptrain.cli import main
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.lockfile import heartbeat_age
+from ddptrain.run_folder import LEASE
 
 # The run is refused before any data or model is read: these need not exist.
 TINY_TOY = ["model.target=toy:build_model", "data.target=toy:build_datasets", "train.max_steps=2"]

@@ -57,6 +57,7 @@ from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
+from ddptrain.run_folder import checkpoints_dir
 from ddptrain.safe_files import fsync_dir, refuse_symlink
 
 
@@ -90,7 +91,7 @@ class Checkpointer:
     ) -> None:
         self.cfg = cfg
         self.tag, self._lease_lost = tag, lease_lost
-        self.dir = run_dir / "checkpoints"
+        self.dir = checkpoints_dir(run_dir)
         self.ctx = ctx
         self.config = config
         self.identity = identity or {}

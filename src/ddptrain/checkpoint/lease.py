@@ -23,10 +23,9 @@ from pathlib import Path
 
 from ddptrain.errors import UserError
 from ddptrain.lockfile import HEARTBEAT_S, STALE_S, LockFile, Owner, UnreadableLock, me, read_owner
+from ddptrain.run_folder import LEASE
 
-__all__ = ["HEARTBEAT_S", "LEASE", "STALE_S", "LeaseHeld", "Owner", "RunLease", "me", "read_owner"]
-
-LEASE = ".lease"
+__all__ = ["HEARTBEAT_S", "STALE_S", "LeaseHeld", "Owner", "RunLease", "me", "read_owner"]
 
 
 class LeaseHeld(UserError):

@@ -22,6 +22,7 @@ from pathlib import Path
 from ddptrain.checkpoint.manifest import checkpoint_name, step_of
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, read_manifest, verify_checkpoint
 from ddptrain.errors import CheckpointError
+from ddptrain.run_folder import checkpoints_dir
 from ddptrain.safe_files import fsync_dir
 
 ARCHIVE = "archive"
@@ -58,7 +59,7 @@ def newest_verified(ckpt_dir: Path, warn: Callable[[str], None]) -> VerifiedChec
 
 def select_checkpoint(run_dir: Path, step: int | None, warn: Callable[[str], None]) -> VerifiedCheckpoint:
     """A run's verified checkpoint of `step`, or its newest verified one when step is None."""
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = checkpoints_dir(run_dir)
     if step is None:
         return newest_verified(ckpt_dir, warn)
     path = ckpt_dir / checkpoint_name(step)

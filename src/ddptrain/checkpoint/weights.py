@@ -19,6 +19,7 @@ from ddptrain.checkpoint.manifest import MANIFEST
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checkpoint.verify import verify_checkpoint
 from ddptrain.errors import CheckpointError
+from ddptrain.run_folder import checkpoints_dir
 
 _SHOWN = 4
 
@@ -40,7 +41,7 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], str, bool]:
         return _read_safetensors(path), f"exported weights {path}", False
     if (path / MANIFEST).is_file():
         return verify_checkpoint(path).state("model"), f"checkpoint {path}", False
-    if (path / "checkpoints").is_dir():
+    if checkpoints_dir(path).is_dir():
         ckpt = select_checkpoint(path, None, lambda text: print(text, file=sys.stderr))
         return ckpt.state("model"), f"checkpoint {ckpt.path}", False
     if (path / "config.json").is_file():

@@ -39,6 +39,7 @@ from ddptrain.launch.jobspec import (
     worker_stop_s,
 )
 from ddptrain.launch.quantities import slurm_mem_mb
+from ddptrain.run_folder import config_file, slurm_dir
 from ddptrain.safe_files import ensure_dir, open_new_no_follow, write_text_replace
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
@@ -388,16 +389,16 @@ exit "$rc"
 
 def submission_dir(run_dir: Path) -> Path:
     """A new folder run.dir/slurm/<UTC time>-<random> for one submission's frozen config and script."""
-    slurm_dir = run_dir / "slurm"
-    ensure_dir(slurm_dir)  # a link planted as run.dir/slurm is refused, not followed
+    submissions = slurm_dir(run_dir)
+    ensure_dir(submissions)  # a link planted as run.dir/slurm is refused, not followed
     for _ in range(10):
-        folder = slurm_dir / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        folder = submissions / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
         try:
             folder.mkdir()  # never an existing one: a queued job's config is never rewritten
             return folder
         except FileExistsError:
             continue
-    raise LaunchError(f"could not create a new submission folder in {slurm_dir}")
+    raise LaunchError(f"could not create a new submission folder in {submissions}")
 
 
 def write_script(cfg: Config, job: SlurmJob, out: Path | None = None) -> Path:
@@ -412,9 +413,9 @@ def write_script(cfg: Config, job: SlurmJob, out: Path | None = None) -> Path:
     job.validate(cfg)
     check_data_dir(cfg, workdir)
     run_dir = (workdir / cfg.run_dir).resolve()
-    render_script(cfg, job, run_dir / "slurm" / "NEW" / "config.yaml", workdir)  # the folder's name is ours
+    render_script(cfg, job, config_file(slurm_dir(run_dir) / "NEW"), workdir)  # the folder's name is ours
     folder = submission_dir(run_dir)
-    config_path = folder / "config.yaml"
+    config_path = config_file(folder)
     with open_new_no_follow(config_path, 0o444) as f:
         f.write(cfg.to_yaml().encode())
     text = render_script(cfg, job, config_path, workdir)

@@ -23,9 +23,8 @@ from torch.distributed.tensor import DTensor
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import UserError
 from ddptrain.observe.digest import named_state, state_digests
+from ddptrain.run_folder import certificate_file
 from ddptrain.safe_files import check_regular_or_absent, open_append_no_follow, read_regular_file
-
-FILE = "certificate.jsonl"
 
 
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float | int]]:
@@ -98,7 +97,7 @@ class CertificateWriter:
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
-        self.path = run_dir / FILE
+        self.path = certificate_file(run_dir)
         self._file: IO[str] | None = None
         if enabled:
             try:

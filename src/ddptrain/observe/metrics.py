@@ -22,6 +22,7 @@ from ddptrain import streams
 from ddptrain.errors import UserError
 from ddptrain.observe.runlog import FILE_ONLY
 from ddptrain.observe.trackers.base import Sink
+from ddptrain.run_folder import metrics_file
 from ddptrain.safe_files import open_append_no_follow
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, enabled: bool, sinks: Sequence[Sink] = ()) -> None:
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.path = metrics_file(run_dir)
         self._file: IO[str] | None = None
         self.sinks = list(sinks) if enabled else []
         if not enabled:

@@ -21,10 +21,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
 
 from ddptrain.checkpoint import committed_checkpoints  # noqa: E402
-from ddptrain.errors import DataError  # noqa: E402
+from ddptrain.errors import ConfigError, DataError  # noqa: E402
 from ddptrain.observe.diagnostic_events import (  # noqa: E402
     diagnostic_events,
     draw_diagnostic_events,
@@ -32,7 +31,8 @@ from ddptrain.observe.diagnostic_events import (  # noqa: E402
 )
 from ddptrain.observe.records import PHASES, read_records  # noqa: E402
 from ddptrain.observe.story import Goodput, Story, goodput, tell  # noqa: E402
-from ddptrain.safe_files import ensure_dir, read_regular_file, replacing, write_text_replace  # noqa: E402
+from ddptrain.run_folder import checkpoints_dir, metrics_file, read_config_sections, report_dir  # noqa: E402
+from ddptrain.safe_files import ensure_dir, replacing, write_text_replace  # noqa: E402
 
 __all__ = ["EVENT_STYLE", "event_marks", "read_records", "report"]
 
@@ -114,8 +114,8 @@ def _run_info(run_dir: Path, story: Story) -> RunInfo:
     train = _of(story.kept, "train")
     name = run_dir.name
     try:
-        name = str(_config(run_dir)["run"]["name"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        name = str(read_config_sections(run_dir)["run"]["name"])
+    except (ConfigError, KeyError, TypeError):
         pass
     return RunInfo(name, sizes, train[-1].get("global_batch_size", "?") if train else "?")
 
@@ -271,15 +271,10 @@ def _num(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
-def _config(run_dir: Path) -> Any:
-    """run.dir/config.yaml as parsed YAML (OSError for a FIFO or other non-file: never waited on)."""
-    return yaml.safe_load(read_regular_file(run_dir / "config.yaml", follow=True))
-
-
 def _max_steps(run_dir: Path) -> int | None:
     try:
-        return int(_config(run_dir)["train"]["max_steps"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return int(read_config_sections(run_dir)["train"]["max_steps"])
+    except (ConfigError, KeyError, TypeError, ValueError):
         return None
 
 
@@ -304,7 +299,7 @@ def _checkpoint_lines(run_dir: Path, events: list[dict[str, Any]], ranks: list[d
     lines = []
     saved = [e for e in events if e.get("event") == "checkpoint"]
     failed = [e for e in events if e.get("event") == "checkpoint_failed"]
-    present = [p.name for p in committed_checkpoints(run_dir / "checkpoints")]
+    present = [p.name for p in committed_checkpoints(checkpoints_dir(run_dir))]
     lines.append(
         f"checkpoints: {len(saved)} committed during the run"
         + (f", {len(failed)} failed" if failed else "")
@@ -397,9 +392,9 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
 
 def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     """Write the plots and summary.txt into out (default run_dir/report); returns (summary, files)."""
-    records, truncated = read_records(run_dir / "metrics.jsonl")
+    records, truncated = read_records(metrics_file(run_dir))
     if out is None:
-        out = run_dir / "report"
+        out = report_dir(run_dir)
         try:
             ensure_dir(out, run_dir)  # a link planted as run.dir/report is refused, never followed
         except OSError as e:

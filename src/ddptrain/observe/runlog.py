@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ddptrain import streams
 from ddptrain.errors import Interrupted, Preempted, UserError
+from ddptrain.run_folder import rank_log
 from ddptrain.safe_files import ensure_dir, open_append_no_follow
 
 PACKAGE_LOG = logging.getLogger("ddptrain")
@@ -153,7 +154,7 @@ def run_logging(
     the block before that drops the held records, so a refused run leaves the file as it was
     (its one line is on stderr); any other exception writes them, for the post-mortem.
     """
-    path = run_dir / "logs" / f"rank-{rank}.log"
+    path = rank_log(run_dir, rank)
     try:
         ensure_dir(path.parent)
         file_handler = RankFileHandler(path, hold)  # a planted link is refused, never followed

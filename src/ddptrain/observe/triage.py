@@ -36,6 +36,7 @@ from ddptrain.errors import EXIT_FAILURE, RankFailure, UserError
 from ddptrain.observe import forensics
 from ddptrain.observe.runlog import PACKAGE_LOG
 from ddptrain.observe.watchdog import Budgets, Hang, HangWatchdog
+from ddptrain.run_folder import stacks_dir
 from ddptrain.safe_files import ensure_dir, open_append_no_follow
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Triage:
         self.ctx = ctx
         self.timeout_s = timeout_s
         self.hosts = list(ctx.hosts) or [ctx.hostname]
-        self.stacks_dir = run_dir / "stacks"
+        self.stacks_dir = stacks_dir(run_dir)
         self.path = self.stacks_dir / f"{forensics.stacks_name(ctx.rank, ctx.hostname)}.txt"
         try:  # faulthandler needs a real file descriptor up front; a planted link or FIFO is refused here
             ensure_dir(self.stacks_dir, run_dir)

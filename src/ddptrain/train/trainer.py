@@ -34,6 +34,7 @@ from ddptrain.observe.perf import StepTimer, Throughput
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.triage import Triage
+from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.evaluation import eval_samples, evaluate_loss
 from ddptrain.train.nonfinite import NonFiniteSteps
@@ -413,7 +414,7 @@ class Trainer:
             return
         self.metrics.write("event", **record)
         if self.ctx.is_main:
-            write_forensics(self.cfg.run_dir / "stacks", record)
+            write_forensics(stacks_dir(self.cfg.run_dir), record)
         raise ReplicaDivergence(record["verdict"])
 
     def log_eval(self) -> None:

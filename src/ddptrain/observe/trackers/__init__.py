@@ -22,6 +22,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.observe.trackers.background import BackgroundTracker, Backlog
 from ddptrain.observe.trackers.base import Sink, StartInfo, Tracker, flatten
 from ddptrain.observe.trackers.state import TrackerState
+from ddptrain.run_folder import metrics_file
 
 # Tracker name -> (the module it imports, the pip extra that installs it).
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
@@ -74,7 +75,7 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
         crashed_attempt=state.crashed_attempt,
     )
     # What earlier attempts wrote before this one appends: a killed attempt may not have sent all of it.
-    jsonl = cfg.run_dir / "metrics.jsonl"
+    jsonl = metrics_file(cfg.run_dir)
     backlog_bytes = jsonl.stat().st_size if jsonl.is_file() and not fresh else 0
     for name in remote:
         tracker = _tracker(name, cfg, state)

@@ -25,16 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.errors import ConfigError
+from ddptrain.run_folder import trackers_file
 from ddptrain.safe_files import read_regular_file, write_text_replace
-
-FILE_NAME = "trackers.json"
 
 
 class TrackerState:
     """The contents of run.dir/trackers.json, shared by the trackers of one process."""
 
     def __init__(self, run_dir: Path, fresh: bool = False) -> None:
-        self.path = run_dir / FILE_NAME
+        self.path = trackers_file(run_dir)
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {} if fresh else _read(self.path)
         self.crashed_attempt: int | None = None  # set by begin_attempt

@@ -7,6 +7,7 @@ from typing import Any
 
 from ddptrain.observe.endings import describe, is_end_record
 from ddptrain.observe.trackers.base import _is_number
+from ddptrain.run_folder import tensorboard_dir
 
 
 class TensorBoardSink:
@@ -18,7 +19,7 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # optional extra: ddptrain[tensorboard]
 
-        self._writer: Any = SummaryWriter(str(run_dir / "tensorboard"))
+        self._writer: Any = SummaryWriter(str(tensorboard_dir(run_dir)))
 
     def write(self, record: dict[str, Any]) -> None:
         """Add the record's numbers at its step (records without a step are not plotted)."""
