@@ -98,7 +98,7 @@ def export(
     if fmt == "hf":
         from ddptrain.checkpoint.export import refuse_links_inside, staged_output
         from ddptrain.checkpoint.export_hf import export_hf
-        from ddptrain.evaluate import model_of, tokenizer_dir
+        from ddptrain.commands.evaluate import model_of, tokenizer_dir
 
         out_dir = output_dir("--out", Path(out))
         ckpt = select_checkpoint(Path(run_dir), step, _warn)
@@ -126,7 +126,7 @@ def export(
 
 def evaluate(run_dir: str, step: int | None, split: str, batches: int, overrides: Sequence[str]) -> int:
     """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
-    from ddptrain.evaluate import evaluate_checkpoint
+    from ddptrain.commands.evaluate import evaluate_checkpoint
 
     existing_dir("run folder", Path(run_dir))
     if step is not None:
@@ -140,7 +140,7 @@ def evaluate(run_dir: str, step: int | None, split: str, batches: int, overrides
 
 def report(run_dir: str, out: str | None = None) -> int:
     """Plots and a text summary of a run (finished, running or crashed) into run_dir/report."""
-    from ddptrain.observe.report import report as write_report  # matplotlib loads only for this command
+    from ddptrain.review.report import report as write_report  # matplotlib loads only for this command
 
     existing_dir("run folder", Path(run_dir))
     summary, files = write_report(Path(run_dir), output_dir("--out", Path(out)) if out else None)
@@ -151,7 +151,7 @@ def report(run_dir: str, out: str | None = None) -> int:
 
 def triage(run_dir: str) -> int:
     """Print the verdict of the hang recorded in run_dir/stacks."""
-    from ddptrain.observe.verdict import verdict
+    from ddptrain.review.verdict import verdict
 
     print(verdict(Path(run_dir) / "stacks"))
     return 0
@@ -159,7 +159,7 @@ def triage(run_dir: str) -> int:
 
 def verify_resume(run_dir: str, start: int | None, steps: int) -> int:
     """Replay steps from a checkpoint and compare with the run's resume certificate; 1 when they differ."""
-    from ddptrain.verify_resume import verify_resume as replay_and_compare
+    from ddptrain.commands.verify_resume import verify_resume as replay_and_compare
 
     return replay_and_compare(Path(run_dir), start, steps)
 
@@ -190,7 +190,7 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
 
 def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None, etcd: str | None = None) -> int:
     """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
-    from ddptrain.observe.doctor import doctor as run_doctor
+    from ddptrain.review.doctor import doctor as run_doctor
 
     number_in("--timeout", timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
     number_in("--max-mb", max_mb, 0, 2**16, low_open=True)
@@ -207,7 +207,7 @@ def generate(
     run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, data_dir: str | None
 ) -> int:
     """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
-    from ddptrain.generate import generate as sample
+    from ddptrain.commands.generate import generate as sample
 
     text_arg("--prompt", prompt, single_line=False)
     number_in("--temperature", temperature, 0, 100, low_open=True)

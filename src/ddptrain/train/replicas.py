@@ -29,7 +29,7 @@ import torch.nn as nn
 from ddptrain.dist import DistContext
 from ddptrain.errors import TrainingStopped
 from ddptrain.observe.digest import combine, named_state, state_digests
-from ddptrain.observe.verdict import FORENSICS
+from ddptrain.review.verdict import FORENSICS
 from ddptrain.safe_files import ensure_dir, write_text_replace
 
 log = logging.getLogger(__name__)

@@ -25,13 +25,13 @@ import yaml  # noqa: E402
 
 from ddptrain.checkpoint import committed_checkpoints  # noqa: E402
 from ddptrain.errors import DataError  # noqa: E402
-from ddptrain.observe.diagnostic_events import (  # noqa: E402
+from ddptrain.review.diagnostic_events import (  # noqa: E402
     diagnostic_events,
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
-from ddptrain.observe.records import PHASES, read_records  # noqa: E402
-from ddptrain.observe.story import Goodput, Story, goodput, tell  # noqa: E402
+from ddptrain.review.records import PHASES, read_records  # noqa: E402
+from ddptrain.review.story import Goodput, Story, goodput, tell  # noqa: E402
 from ddptrain.safe_files import ensure_dir, read_regular_file, replacing, write_text_replace  # noqa: E402
 
 __all__ = ["EVENT_STYLE", "event_marks", "read_records", "report"]
