@@ -1,4 +1,6 @@
-"""The `ddptrain` command. Every subcommand is a plain function that tests can call.
+"""The `ddptrain` command: a table from subcommand names to their functions (commands/, one module each, a plain
+typed function that tests and the Python API call); each parser is derived from the options dataclass its function
+takes (cli_options.py), and `main` maps exceptions to exit codes in one place.
 
     ddptrain train                                   # one process (CPU or one GPU)
     ddptrain train -c cfg.yaml train.max_steps=100   # YAML plus dotted overrides
