@@ -9,15 +9,17 @@ from ddptrain.cli_options import option
 from ddptrain.config import MAX_TIMEOUT_S
 from ddptrain.errors import ConfigError
 from ddptrain.etcd_endpoints import parse_endpoints
+from ddptrain.review.doctor import BACKENDS, MAX_MB, TIMEOUT_S
+from ddptrain.review.doctor import doctor as run_checks
 
 
 @dataclass(frozen=True)
 class DoctorOptions:
     """What `ddptrain doctor` reads from its command line."""
 
-    backend: str = option("auto", None, choices=("auto", "nccl", "gloo"))
-    timeout: float = option(30.0, "seconds every rank may take to join (default {default:g})")
-    max_mb: float = option(64.0, "largest all-reduce message in MiB (default {default:g})")
+    backend: str = option(BACKENDS[0], None, choices=BACKENDS)
+    timeout: float = option(TIMEOUT_S, "seconds every rank may take to join (default {default:g})")
+    max_mb: float = option(MAX_MB, "largest all-reduce message in MiB (default {default:g})")
     endpoint: str | None = option(None, "also check that this rendezvous HOST:PORT accepts connections from here")
     etcd: str | None = option(
         None,
@@ -28,8 +30,6 @@ class DoctorOptions:
 
 def doctor(options: DoctorOptions) -> int:
     """Run the checks; non-zero when one fails."""
-    from ddptrain.review.doctor import doctor as run_doctor
-
     number_in("--timeout", options.timeout, 0, MAX_TIMEOUT_S, low_open=True)
     number_in("--max-mb", options.max_mb, 0, 2**16, low_open=True)
     endpoint = options.endpoint
@@ -39,4 +39,4 @@ def doctor(options: DoctorOptions) -> int:
             raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
     if options.etcd is not None:
         parse_endpoints("--etcd", options.etcd)
-    return run_doctor(options.backend, options.timeout, int(options.max_mb * 2**20), endpoint, options.etcd)
+    return run_checks(options.backend, options.timeout, int(options.max_mb * 2**20), endpoint, options.etcd)

@@ -53,6 +53,9 @@ _ENV_VARS = (
 )
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 ETCD_PROBE_S = 5.0  # per etcd request: a healthy member answers in milliseconds
+BACKENDS = ("auto", "nccl", "gloo")
+TIMEOUT_S = 30.0  # for every rank to join
+MAX_MB = 64.0  # the largest all-reduce of the sweep
 
 
 @dataclass
@@ -383,9 +386,9 @@ def _report(title: str, info: dict[str, str], checks: list[Check], extra: str = 
 
 
 def doctor(
-    backend: str = "auto",
-    timeout_s: float = 30.0,
-    max_bytes: int = 64 << 20,
+    backend: str = BACKENDS[0],
+    timeout_s: float = TIMEOUT_S,
+    max_bytes: int = int(MAX_MB * 2**20),
     endpoint: str | None = None,
     etcd: str | None = None,
 ) -> int:
