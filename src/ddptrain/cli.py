@@ -1,4 +1,6 @@
-"""The `ddptrain` command. Every subcommand is a plain function that tests can call.
+"""The `ddptrain` command: a table from subcommand names to their functions (commands/, one module each, a plain
+typed function that tests and the Python API call); each parser is derived from the options dataclass its function
+takes (cli_options.py), and `main` maps exceptions to exit codes in one place.
 
     ddptrain train                                   # one process (CPU or one GPU)
     ddptrain train -c cfg.yaml train.max_steps=100   # YAML plus dotted overrides
@@ -25,144 +27,61 @@ import argparse
 import errno
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ddptrain import run, streams
-from ddptrain.checkpoint.store import select_checkpoint
-from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
+from ddptrain.checks import output_file
+from ddptrain.cli_options import add_options, from_args, options_type
 from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
-from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
-from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
-from ddptrain.errors import (
-    EXIT_FAILURE,
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    EXIT_USAGE,
-    ConfigError,
-    DdptrainError,
-    LaunchError,
-)
-from ddptrain.etcd_endpoints import parse_endpoints
+from ddptrain.commands.doctor import doctor
+from ddptrain.commands.evaluate import evaluate
+from ddptrain.commands.export import export
+from ddptrain.commands.generate import generate
+from ddptrain.commands.prepare import prepare
+from ddptrain.commands.report import report
+from ddptrain.commands.train import train
+from ddptrain.commands.triage import triage
+from ddptrain.commands.verify_resume import verify_resume
+from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DdptrainError, LaunchError
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node
-from ddptrain.run_folder import stacks_dir
 from ddptrain.safe_files import write_text_replace
-from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
-
-DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
+from ddptrain.train.preemption import decided_stop, settle_for_exit
 
 
-# ---- subcommands ------------------------------------------------------------------------------
+class Command(NamedTuple):
+    """A subcommand: its function, which takes its options dataclass (the parser is derived from it), and its help."""
+
+    run: Callable[[Any], int]
+    help: str
+    # launch, slurm and k8s build their own parser and take the parsed namespace, until they take a dataclass too.
+    register: Callable[[Any], None] | None = None
 
 
-def train(config: str | None = None, overrides: Sequence[str] = ()) -> int:
-    """Train per the config on this process's share of the job; returns the exit code."""
-    hold_until_exit()  # this process ends with the run: a late signal must not replace the first one's exit code
-    result = run.train(config, overrides=overrides)
-    return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
+def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        if command.register is not None:
+            command.register(sub)
+        else:
+            add_options(sub.add_parser(name, help=command.help), options_type(command.run))
+    return p
 
 
-def prepare(sources: Sequence[str], out: str, val_fraction: float, options: PrepareOptions | None = None) -> int:
-    """Tokenize files/globs/JSON Lines into token shards (default: the Python standard library, as bytes)."""
-    number_in("--val-fraction", val_fraction, 0.0, 0.5, low_open=True)
-    output_dir("--out", Path(out))
-    for source in sources:
-        text_arg("a source", source)
-    files = expand_sources(list(sources)) if sources else stdlib_sources()
-    info = prepare_corpus(files, Path(out), val_fraction, options, say=_warn)  # _warn: "waiting for ..." lines
-    made = "reused the corpus another prepare made from the same" if info.reused else "prepared"
-    print(
-        f"{made} {info.files} files ({info.documents:,} documents) into {info.out_dir}: "
-        f"{info.train_tokens:,} train tokens, {info.val_tokens:,} val tokens, vocab {info.vocab_size:,}, "
-        f"{info.shards} shards"
-    )
-    return 0
+def _dispatch(args: argparse.Namespace) -> int:
+    command = COMMANDS[args.command]
+    if command.register is not None:
+        return command.run(args)
+    return command.run(from_args(options_type(command.run), args))
 
 
-def _warn(text: str) -> None:
-    print(text, file=sys.stderr)
-
-
-def export(
-    run_dir: str, out: str, step: int | None = None, fmt: str = "safetensors", data_dir: str | None = None
-) -> int:
-    """Write a checkpoint's model: plain safetensors (config beside it) or a transformers folder (--format hf)."""
-    existing_dir("run folder", Path(run_dir))
-    if step is not None:
-        number_in("--step", step, 0, 10**15)
-    if data_dir is not None and fmt != "hf":
-        raise ConfigError("--data-dir gives --format hf its tokenizer; plain safetensors export writes none")
-    if fmt == "hf":
-        from ddptrain.checkpoint.export import refuse_links_inside, staged_output
-        from ddptrain.checkpoint.export_hf import export_hf
-        from ddptrain.evaluate import model_of, tokenizer_dir
-
-        out_dir = output_dir("--out", Path(out))
-        ckpt = select_checkpoint(Path(run_dir), step, _warn)
-        saved = config_from_mapping(ckpt.manifest.config)
-        if saved.model.live is not None and saved.model.target is None:
-            raise ConfigError(
-                f"model.live={saved.model.live!r}: --format hf exports the built-in GPT and model.hf models, "
-                "not a live nn.Module passed to ddptrain.train(); export without --format hf writes its weights"
-            )
-        cfg, model = model_of(ckpt)
-        refuse_links_inside(Path(run_dir), out_dir)
-        with staged_output(out_dir) as work:  # complete or absent: a failed export leaves nothing behind
-            what = export_hf(model, cfg.model, tokenizer_dir(cfg, data_dir), work)
-        print(f"exported {ckpt.path.name} to {out}: {what}")
-        return 0
-    from ddptrain.checkpoint.export import export_model
-
-    out_path = creatable_file("--out", Path(out))
-    if out_path.suffix == ".json":
-        raise ConfigError(f"--out {out}: the model config goes to a .json beside the weights; use .safetensors")
-    path, count = export_model(Path(run_dir), out_path, step, _warn)
-    print(f"exported {path.name} ({count} tensors) to {out_path} and {out_path.with_suffix('.json')}")
-    return 0
-
-
-def evaluate(run_dir: str, step: int | None, split: str, batches: int, overrides: Sequence[str]) -> int:
-    """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
-    from ddptrain.evaluate import evaluate_checkpoint
-
-    existing_dir("run folder", Path(run_dir))
-    if step is not None:
-        number_in("--step", step, 0, 10**15)
-    number_in("--batches", batches, 0, 10**12)
-    line = evaluate_checkpoint(select_checkpoint(Path(run_dir), step, _warn), split, batches, overrides)
-    if line is not None:
-        print(line)
-    return 0
-
-
-def report(run_dir: str, out: str | None = None) -> int:
-    """Plots and a text summary of a run (finished, running or crashed) into run_dir/report."""
-    from ddptrain.observe.report import report as write_report  # matplotlib loads only for this command
-
-    existing_dir("run folder", Path(run_dir))
-    summary, files = write_report(Path(run_dir), output_dir("--out", Path(out)) if out else None)
-    print(summary)
-    print(f"wrote {', '.join(str(f) for f in files)}")
-    return 0
-
-
-def triage(run_dir: str) -> int:
-    """Print the verdict of the hang recorded in run_dir/stacks."""
-    from ddptrain.observe.verdict import verdict
-
-    print(verdict(stacks_dir(Path(run_dir))))
-    return 0
-
-
-def verify_resume(run_dir: str, start: int | None, steps: int) -> int:
-    """Replay steps from a checkpoint and compare with the run's resume certificate; 1 when they differ."""
-    from ddptrain.verify_resume import verify_resume as replay_and_compare
-
-    return replay_and_compare(Path(run_dir), start, steps)
+# ---- launch, slurm, k8s -----------------------------------------------------------------------
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -189,43 +108,8 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
         cfg.check_world_size(low * per_node)
 
 
-def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None = None, etcd: str | None = None) -> int:
-    """Bring-up checks and an all-reduce bandwidth sweep; non-zero when a check fails."""
-    from ddptrain.observe.doctor import doctor as run_doctor
-
-    number_in("--timeout", timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
-    number_in("--max-mb", max_mb, 0, 2**16, low_open=True)
-    if endpoint is not None:
-        host, sep, port = endpoint.rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
-    if etcd is not None:
-        parse_endpoints("--etcd", etcd)
-    return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint, etcd)
-
-
-def generate(
-    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, data_dir: str | None
-) -> int:
-    """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
-    from ddptrain.generate import generate as sample
-
-    text_arg("--prompt", prompt, single_line=False)
-    number_in("--temperature", temperature, 0, 100, low_open=True)
-    number_in("--top-k", top_k, 0, 2**31)  # above the vocabulary means all tokens
-    number_in("--max-new-tokens", max_new_tokens, 0, 10**6)
-    number_in("--seed", seed, 0, MAX_SEED)
-    existing_dir("run folder", Path(run_dir))
-    corpus = existing_dir("--data-dir", Path(data_dir)) if data_dir is not None else None
-    text, path = sample(Path(run_dir), prompt, max_new_tokens, temperature, top_k or None, seed, corpus)
-    print(f"(sampled from {path})", file=sys.stderr)
-    print(text)
-    return 0
-
-
 def slurm(args: argparse.Namespace) -> int:
     """Write the sbatch script for a config (and submit it with --submit)."""
-    from ddptrain.cli_options import from_args
     from ddptrain.launch.jobspec import load_job_config
     from ddptrain.launch.slurm import SlurmJob, submit, write_script
 
@@ -240,7 +124,6 @@ def slurm(args: argparse.Namespace) -> int:
 
 def k8s(args: argparse.Namespace) -> int:
     """Print (or write) the PyTorchJob manifest for a config."""
-    from ddptrain.cli_options import from_args
     from ddptrain.launch.jobspec import load_job_config
     from ddptrain.launch.k8s import K8sJob, render_manifest
 
@@ -256,172 +139,49 @@ def k8s(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- argument parsing -------------------------------------------------------------------------
-
-
-def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argparse.ArgumentParser:
-    p = parser_class(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    t = sub.add_parser("train", help="train (one process, or one rank under torchrun)")
-    t.add_argument("-c", "--config", help="YAML config file (default: the built-in defaults)")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
-    t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
-
-    pr = sub.add_parser("prepare", help="tokenize text files or JSON Lines into token shards")
-    pr.add_argument(
-        "sources", nargs="*", help="files, folders or globs (default: the Python standard library's sources)"
-    )
-    pr.add_argument("--out", default=DEFAULT_DATA_DIR, help=f"output folder (default {DEFAULT_DATA_DIR})")
-    pr.add_argument("--val-fraction", type=float, default=DataConfig.model_fields["val_fraction"].default)
-    pr.add_argument(
-        "--tokenizer",
-        default="bytes",
-        help="bytes (default), a tokenizer.json (or its folder), or train:VOCAB to train a byte-level BPE",
-    )
-    pr.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl files (default text)")
-    pr.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
-    wait_help = f"seconds to wait for another prepare of --out (default {PrepareOptions.wait_s:g})"
-    pr.add_argument("--wait", type=float, default=PrepareOptions.wait_s, help=wait_help)
-    pr.add_argument(
-        "--force",
-        action="store_true",
-        help="prepare even when --out holds files no prepare wrote (without it: exit 2 naming them); files "
-        "named like prepare's output (meta.json, tokenizer.json, shards) are then replaced, others left alone",
-    )
-    pr.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=PrepareOptions.shard_tokens,
-        help=f"tokens per shard file (default {PrepareOptions.shard_tokens:,})",
-    )
-
-    e = sub.add_parser("export", help="export a checkpoint's model: safetensors, or a transformers folder")
-    e.add_argument("run_dir")
-    e.add_argument(
-        "--out",
-        required=True,
-        help="output .safetensors file (config beside it as .json), or a folder with --format hf",
-    )
-    e.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
-    e.add_argument(
-        "--format",
-        choices=("safetensors", "hf"),
-        default="safetensors",
-        help="hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer",
-    )
-    e.add_argument(
-        "--data-dir", help="--format hf: the prepared corpus whose tokenizer to include (default: the run's data.dir)"
-    )
-
-    ev = sub.add_parser("eval", help="mean loss and perplexity of a checkpoint on the validation split")
-    ev.add_argument("run_dir")
-    ev.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. data.dir=data/other")
-    ev.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
-    ev.add_argument("--split", default="val", help="split of the prepared corpus (default val)")
-    ev.add_argument(
-        "--batches",
-        type=int,
-        default=0,
-        help="global batches of train.global_batch_size samples, at any world size (default 0: the whole split); "
-        "the run's train.eval_batches gives the trainer's val_loss",
-    )
-
-    add_launch_parser(sub)
-
-    r = sub.add_parser("report", help="plots and a summary of a run's metrics (works on running and crashed runs)")
-    r.add_argument("run_dir")
-    r.add_argument("--out", help="output folder (default RUN_DIR/report)")
-
-    d = sub.add_parser("doctor", help="bring-up checks: environment, rendezvous, all-reduce bandwidth")
-    d.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
-    d.add_argument("--timeout", type=float, default=30.0, help="seconds every rank may take to join (default 30)")
-    d.add_argument("--max-mb", type=float, default=64.0, help="largest all-reduce message in MiB (default 64)")
-    d.add_argument("--endpoint", help="also check that this rendezvous HOST:PORT accepts connections from here")
-    d.add_argument(
-        "--etcd",
-        help="also check these etcd members HOST[:PORT],... (healthy, v2 API on); under `ddptrain launch "
-        "--rdzv-backend etcd-v2` its endpoints are checked without this",
-    )
-
-    tr = sub.add_parser("triage", help="one verdict from the stacks a hang left in RUN_DIR/stacks")
-    tr.add_argument("run_dir")
-
-    v = sub.add_parser("verify-resume", help="replay steps from a checkpoint and compare with what the run logged")
-    v.add_argument("run_dir")
-    v.add_argument(
-        "--from", dest="start", type=int, help="checkpoint step (default: the newest with logged steps after it)"
-    )
-    v.add_argument("--steps", type=int, default=10, help="steps to replay (default 10)")
-
-    g = sub.add_parser("generate", help="sample text from the built-in GPT of a run's newest good checkpoint")
-    g.add_argument("run_dir")
-    g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 for all")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--data-dir", help="the prepared corpus whose tokenizer to use (default: the run's data.dir)")
-    _add_cluster_parsers(sub)
-    return p
-
-
-def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ddptrain.cli_options import add_options
-    from ddptrain.launch.k8s import K8sJob
-    from ddptrain.launch.slurm import SlurmJob
-
+def _job_config_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-c", "--config", help="YAML config file (frozen into the job definition)")
     common.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
+    return common
 
-    s = sub.add_parser("slurm", parents=[common], help="write (and --submit) an sbatch script for a config")
+
+def _add_slurm_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ddptrain.launch.slurm import SlurmJob
+
+    s = sub.add_parser(
+        "slurm", parents=[_job_config_parser()], help="write (and --submit) an sbatch script for a config"
+    )
     add_options(s, SlurmJob)
     s.add_argument("--out", help="script path (default run.dir/slurm/<submission>/job.sbatch)")
     s.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
 
-    k = sub.add_parser("k8s", parents=[common], help="write a Kubeflow PyTorchJob manifest for a config")
+
+def _add_k8s_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ddptrain.launch.k8s import K8sJob
+
+    k = sub.add_parser("k8s", parents=[_job_config_parser()], help="write a Kubeflow PyTorchJob manifest for a config")
     add_options(k, K8sJob)
     k.add_argument("--out", help="manifest file (default: standard output)")
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "train":
-        if args.help_config:
-            print(describe_fields())
-            return 0
-        return train(args.config, args.overrides)
-    if args.command == "prepare":
-        if args.shard_tokens < 1 or args.workers < 0:
-            raise ConfigError("--shard-tokens must be >= 1 and --workers >= 0")
-        number_in("--wait", args.wait, 0.0, MAX_TIMEOUT_S)
-        options = PrepareOptions(
-            args.tokenizer, args.jsonl_field, args.workers, args.shard_tokens, wait_s=args.wait, force=args.force
-        )
-        return prepare(args.sources, args.out, args.val_fraction, options)
-    if args.command == "export":
-        return export(args.run_dir, args.out, args.step, args.format, args.data_dir)
-    if args.command == "eval":
-        return evaluate(args.run_dir, args.step, args.split, args.batches, args.overrides)
-    if args.command == "launch":
-        return launch(args)
-    if args.command == "report":
-        return report(args.run_dir, args.out)
-    if args.command == "doctor":
-        return doctor(args.backend, args.timeout, args.max_mb, args.endpoint, args.etcd)
-    if args.command == "triage":
-        return triage(args.run_dir)
-    if args.command == "verify-resume":
-        return verify_resume(args.run_dir, args.start, args.steps)
-    if args.command == "generate":
-        return generate(
-            args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, args.data_dir
-        )
-    if args.command == "slurm":
-        return slurm(args)
-    if args.command == "k8s":
-        return k8s(args)
-    raise AssertionError(args.command)
+COMMANDS: dict[str, Command] = {
+    "train": Command(train, "train (one process, or one rank under torchrun)"),
+    "prepare": Command(prepare, "tokenize text files or JSON Lines into token shards"),
+    "export": Command(export, "export a checkpoint's model: safetensors, or a transformers folder"),
+    "eval": Command(evaluate, "mean loss and perplexity of a checkpoint on the validation split"),
+    "launch": Command(launch, "", register=add_launch_parser),
+    "report": Command(report, "plots and a summary of a run's metrics (works on running and crashed runs)"),
+    "doctor": Command(doctor, "bring-up checks: environment, rendezvous, all-reduce bandwidth"),
+    "triage": Command(triage, "one verdict from the stacks a hang left in RUN_DIR/stacks"),
+    "verify-resume": Command(verify_resume, "replay steps from a checkpoint and compare with what the run logged"),
+    "generate": Command(generate, "sample text from the built-in GPT of a run's newest good checkpoint"),
+    "slurm": Command(slurm, "", register=_add_slurm_parser),
+    "k8s": Command(k8s, "", register=_add_k8s_parser),
+}
+
+
+# ---- main: the one place exceptions become exit codes ---------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:

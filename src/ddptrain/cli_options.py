@@ -1,35 +1,61 @@
-"""Command-line options derived from a job spec's dataclass fields, so each default is written once.
+"""Command-line options derived from a dataclass's fields, so each default is written once.
 
 A field declared with `option(...)` becomes `--field-name` (or the flag given) on the subcommand's
-parser with the field's default, type and help; `from_args` builds the spec back from the parsed
-namespace. Fields without `option` metadata are not options (set them in code).
+parser with the field's default, type (from its annotation: `int | None` reads an int) and help;
+`from_args` builds the dataclass back from the parsed namespace. Fields without `option` metadata
+are not options (set them in code). A command function takes one such dataclass (`options_type`).
+
+A help that names `{default}` shows the default there (formatted as written, e.g. `{default:,}`);
+any other gets " (default X)" appended unless the default is empty, a flag's False, or
+`show_default=False`. A field without a default (`option(REQUIRED, ...)`) is a required option, or
+a required argument when positional.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 _META = "ddptrain_option"
+REQUIRED: Any = dataclasses.MISSING  # a field the caller must give: no default
 
 
 def option(
     default: Any,
-    help: str,
+    help: str | None,
     *,
     flag: str | None = None,
+    short: str | None = None,
+    metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
     choices: tuple[str, ...] | None = None,
     required: bool = False,
+    positional: bool = False,
+    show_default: bool = True,
 ) -> Any:
-    """A dataclass field that is also a command-line option (`repeat`: a tuple built from repeated flags)."""
+    """A dataclass field that is also a command-line option (`repeat`: a tuple built from repeated flags, or
+    from every remaining argument when `positional`; `short`: a one-letter alias such as -c)."""
     meta = {
-        _META: {"help": help, "flag": flag, "parse": parse, "repeat": repeat, "choices": choices, "required": required}
+        _META: {
+            "help": help,
+            "flag": flag,
+            "short": short,
+            "metavar": metavar,
+            "parse": parse,
+            "repeat": repeat,
+            "choices": choices,
+            "required": required or default is REQUIRED,
+            "positional": positional,
+            "show_default": show_default,
+        }
     }
+    if default is REQUIRED:
+        return dataclasses.field(metadata=meta)
     if repeat:
         return dataclasses.field(default=tuple(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -39,28 +65,48 @@ def _flag(field: dataclasses.Field[Any]) -> str:
     return field.metadata[_META]["flag"] or "--" + field.name.replace("_", "-")
 
 
+def _help(meta: dict[str, Any], default: Any) -> str | None:
+    text = meta["help"]
+    if text is None or "{default" in text:
+        return text if text is None else text.format(default=default)
+    hidden = default in (None, (), "", dataclasses.MISSING) or isinstance(default, bool)
+    return text if hidden or meta["required"] or not meta["show_default"] else f"{text} (default {default})"
+
+
+def _value_type(hint: Any) -> Any:
+    """The type one command-line value reads as: `int | None` -> int, `tuple[str, ...]` -> str."""
+    inner = [a for a in typing.get_args(hint) if a is not type(None) and a is not Ellipsis]
+    return _value_type(inner[0]) if inner else hint
+
+
 def add_options(parser: argparse.ArgumentParser, spec: type[Any]) -> None:
-    """Register one option per `option(...)` field of the dataclass `spec`."""
+    """Register one option (or positional argument) per `option(...)` field of the dataclass `spec`."""
+    hints = typing.get_type_hints(spec)
     for field in dataclasses.fields(spec):
         meta = field.metadata.get(_META)
         if meta is None:
             continue
         default = field.default
-        shown = "" if default in (None, (), "") or meta["required"] else f" (default {default})"
-        kwargs: dict[str, Any] = {"dest": field.name, "help": meta["help"] + shown}
+        kind = meta["parse"] or _value_type(hints[field.name])
+        kwargs: dict[str, Any] = {"help": _help(meta, default)}
+        if meta["positional"]:
+            kwargs.update(nargs="*" if meta["repeat"] else None, type=kind)
+            parser.add_argument(field.name, **kwargs)
+            continue
+        kwargs["dest"] = field.name
         if meta["repeat"]:
-            kwargs.update(action="append", default=None, type=meta["parse"] or str)
-        elif isinstance(default, bool):
+            kwargs.update(action="append", default=None, type=kind)
+        elif kind is bool:
             kwargs.update(action="store_true", default=default)
         else:
-            kwargs.update(default=default, type=meta["parse"] or (type(default) if default is not None else str))
+            kwargs.update(default=None if default is dataclasses.MISSING else default, type=kind)
         if meta["choices"]:
             kwargs["choices"] = meta["choices"]
-        elif not isinstance(default, bool):
-            kwargs["metavar"] = _flag(field).lstrip("-").upper().replace("-", "_")
+        elif kind is not bool:
+            kwargs["metavar"] = meta["metavar"] or _flag(field).lstrip("-").upper().replace("-", "_")
         if meta["required"]:
             kwargs["required"] = True
-        parser.add_argument(_flag(field), **kwargs)
+        parser.add_argument(*filter(None, (meta["short"], _flag(field))), **kwargs)
 
 
 def from_args(spec: Callable[..., T], args: argparse.Namespace) -> T:
@@ -73,3 +119,10 @@ def from_args(spec: Callable[..., T], args: argparse.Namespace) -> T:
                 value = tuple(value or ())
             values[field.name] = value
     return spec(**values)
+
+
+def options_type(command: Callable[[T], int]) -> type[T]:
+    """The options dataclass a command function takes: the annotation of its one parameter."""
+    hints = typing.get_type_hints(command)
+    (name,) = (name for name in hints if name != "return")
+    return hints[name]  # type: ignore[no-any-return]

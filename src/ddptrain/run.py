@@ -168,7 +168,7 @@ class Run:
         run_dir, wanted = self.cfg.run_dir, self.cfg.log.track_artifacts
         try:
             if "report" in wanted:
-                from ddptrain.observe.report import report  # matplotlib loads only here
+                from ddptrain.review.report import report  # matplotlib loads only here
 
                 report(run_dir)
                 self.metrics.upload(report_dir(run_dir), "report")

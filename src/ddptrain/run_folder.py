@@ -9,7 +9,7 @@
 | `.lease` | checkpoint/lease.py (rank 0 holds it while training) | the next run on the folder (taken over once its owner is dead) |
 | `checkpoints/` | checkpoint/ (the checkpointer) | resume, eval, export, generate, verify-resume, report, model.init_from |
 | `logs/rank-<r>.log` | observe/runlog.py (every rank) | people |
-| `stacks/` | the watchdog and hang triage (observe/triage.py, forensics.py), the replica check | `ddptrain triage` (observe/verdict.py) |
+| `stacks/` | the watchdog and hang triage (observe/triage.py, forensics.py), the replica check | `ddptrain triage` (review/verdict.py) |
 | `report/` | `ddptrain report`, log.track_artifacts | people, the trackers |
 | `export/` | log.track_artifacts=[model] | the trackers |
 | `tensorboard/` | the TensorBoard sink | TensorBoard |

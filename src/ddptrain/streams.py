@@ -87,9 +87,10 @@ def write(stream: TextIO | None, text: str) -> bool:
     return True
 
 
-def say(text: str) -> bool:
-    """One line on stderr, in one write (lines of ranks sharing a pipe must not interleave mid-line)."""
-    return write(sys.stderr, text if text.endswith("\n") else text + "\n")
+def say(text: str) -> None:
+    """One line on stderr, in one write (lines of ranks sharing a pipe must not interleave mid-line); never fails,
+    so it serves as the `say` callback of the commands (warnings of the checkpoint search, the prepare lock)."""
+    write(sys.stderr, text if text.endswith("\n") else text + "\n")
 
 
 def write_fd(fd: int, data: bytes) -> None:

@@ -16,8 +16,8 @@ import pytest
 
 from ddptrain.cli import main
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from ddptrain.observe.report import event_marks, read_records
-from ddptrain.observe.story import tell
+from ddptrain.review.report import event_marks, read_records
+from ddptrain.review.story import tell
 from helpers import env_for_subprocess, read_metrics
 from test_interrupt import SLOW, TOY, wait_for_step
 

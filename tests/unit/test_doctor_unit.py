@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ddptrain.observe.doctor import check_interface, doctor, route_to
+from ddptrain.review.doctor import check_interface, doctor, route_to
 
 
 @pytest.fixture(autouse=True)

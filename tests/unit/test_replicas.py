@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ddptrain.dist import DistContext
 from ddptrain.observe.digest import CHUNK, combine, named_state, state_digests, tensor_digest
-from ddptrain.observe.verdict import verdict
+from ddptrain.review.verdict import verdict
 from ddptrain.train.replicas import (
     ReplicaCheck,
     Split,

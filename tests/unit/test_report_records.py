@@ -18,9 +18,9 @@ from test_report_story import RECORDS
 
 from ddptrain.cli import main
 from ddptrain.errors import DataError
-from ddptrain.observe.diagnostic_events import diagnostic_events, summarize_diagnostic_events
-from ddptrain.observe.report import event_marks, read_records, segments, summarize
-from ddptrain.observe.story import goodput, tell
+from ddptrain.review.diagnostic_events import diagnostic_events, summarize_diagnostic_events
+from ddptrain.review.report import event_marks, read_records, segments, summarize
+from ddptrain.review.story import goodput, tell
 
 EXTRA = [
     {

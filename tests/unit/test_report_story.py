@@ -13,8 +13,8 @@ import pytest
 from helpers import write_run_records
 
 from ddptrain.cli import main
-from ddptrain.observe.report import EVENT_STYLE, event_marks, read_records
-from ddptrain.observe.story import goodput, tell
+from ddptrain.review.report import EVENT_STYLE, event_marks, read_records
+from ddptrain.review.story import goodput, tell
 
 
 def _train(step: int, t: float, ws: int, **extra: object) -> dict[str, object]:

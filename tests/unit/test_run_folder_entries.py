@@ -24,7 +24,7 @@ from ddptrain.observe import forensics
 from ddptrain.observe.certificate import CertificateWriter, read_certificate
 from ddptrain.observe.metrics import MetricsWriter
 from ddptrain.observe.trackers.state import TrackerState
-from ddptrain.observe.verdict import FORENSICS, verdict
+from ddptrain.review.verdict import FORENSICS, verdict
 from ddptrain.safe_files import (
     check_regular_or_absent,
     ensure_dir,

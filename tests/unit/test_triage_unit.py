@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain.cli import main
-from ddptrain.observe.verdict import where
+from ddptrain.review.verdict import where
 
 
 @pytest.mark.parametrize("make", ["nothing", "empty stacks", "only text stacks"])
@@ -44,7 +44,7 @@ def test_where_names_the_dataloader_and_the_innermost_frame() -> None:
 
 
 def test_report_events_mark_each_episode_once_and_hangs() -> None:
-    from ddptrain.observe.diagnostic_events import diagnostic_events, summarize_diagnostic_events
+    from ddptrain.review.diagnostic_events import diagnostic_events, summarize_diagnostic_events
 
     records = [
         {"kind": "ranks", "step": 10, "local_step_s": [0.01, 0.01]},

@@ -1,1 +1,1 @@
-"""Observability: metrics sinks, progress, throughput/MFU, stragglers, hang triage, reports, the doctor."""
+"""Observability while training runs: metrics sinks, progress, throughput/MFU, stragglers, hang triage, forensics."""

@@ -6,7 +6,7 @@ channel of that thread, the collectives entered per process group from the fligh
 --native` where py-spy is installed and can read this interpreter). A rank that writes nothing
 (stopped, dead, frozen with the GIL held) is looked at by a rank on the same host: its process
 state and, where py-spy runs, its stack go to `rank-<r>-<host>.observed.json`. `ddptrain triage
-RUN_DIR` (observe/verdict.py) merges it all into one verdict.
+RUN_DIR` (review/verdict.py) merges it all into one verdict.
 
 The flight recorder (torch's ring buffer of recent collectives, per process group, with sequence
 numbers) is switched on before the process group exists: `TORCH_FR_BUFFER_SIZE` for gloo and

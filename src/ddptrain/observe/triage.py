@@ -5,7 +5,7 @@
   notices writes its forensics into run.dir/stacks/ (observe/forensics.py: Python and native
   stacks, the flight recorder's collectives), a rank on the same host describes the ranks that
   wrote nothing (stopped, dead), and the rank exits with code 1 so the launcher restarts the
-  group. `ddptrain triage RUN_DIR` turns the folder into one verdict (observe/verdict.py).
+  group. `ddptrain triage RUN_DIR` turns the folder into one verdict (review/verdict.py).
 * On a failed step (a collective timed out, a peer vanished, an exception) the rank appends the
   traceback and its stacks to the same file, then checks in on the job's TCPStore: ranks whose collective failed mark themselves
   "arrived" and wait briefly for the others; a rank that failed on its own leaves its error

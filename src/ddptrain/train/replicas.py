@@ -29,7 +29,7 @@ import torch.nn as nn
 from ddptrain.dist import DistContext
 from ddptrain.errors import TrainingStopped
 from ddptrain.observe.digest import combine, named_state, state_digests
-from ddptrain.observe.verdict import FORENSICS
+from ddptrain.review.verdict import FORENSICS
 from ddptrain.safe_files import ensure_dir, write_text_replace
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class ReplicaCheck:
 
 
 def write_forensics(stacks_dir: Path, record: dict[str, Any]) -> None:
-    """Rank 0: the verdict beside the hang forensics, for `ddptrain triage` (observe/verdict.py reads it)."""
+    """Rank 0: the verdict beside the hang forensics, for `ddptrain triage` (review/verdict.py reads it)."""
     try:
         ensure_dir(stacks_dir, stacks_dir.parent)  # a real folder in run.dir, never a planted link
         write_text_replace(stacks_dir / FORENSICS, json.dumps(record, indent=1) + "\n")  # a link there is replaced

@@ -53,6 +53,9 @@ _ENV_VARS = (
 )
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 ETCD_PROBE_S = 5.0  # per etcd request: a healthy member answers in milliseconds
+BACKENDS = ("auto", "nccl", "gloo")
+TIMEOUT_S = 30.0  # for every rank to join
+MAX_MB = 64.0  # the largest all-reduce of the sweep
 
 
 @dataclass
@@ -383,9 +386,9 @@ def _report(title: str, info: dict[str, str], checks: list[Check], extra: str = 
 
 
 def doctor(
-    backend: str = "auto",
-    timeout_s: float = 30.0,
-    max_bytes: int = 64 << 20,
+    backend: str = BACKENDS[0],
+    timeout_s: float = TIMEOUT_S,
+    max_bytes: int = int(MAX_MB * 2**20),
     endpoint: str | None = None,
     etcd: str | None = None,
 ) -> int:
@@ -402,13 +405,8 @@ def doctor(
     chosen: str | None = None
     device = torch.device("cpu")
     if launch.verdict != "FAIL":
-        backend_check, chosen = check_backend(backend)
-        device_check, device = check_device(env[2] if env else 0)
-        checks += [backend_check, device_check, check_interface(endpoint)]
-        if endpoint:
-            checks.append(check_endpoint(endpoint, timeout_s))
-        if etcd:
-            checks.append(check_etcd(parse_endpoints("--etcd", etcd), min(timeout_s, ETCD_PROBE_S)))
+        local, chosen, device = _local_checks(backend, env, timeout_s, endpoint, etcd)
+        checks += local
     if env is None or chosen is None or any(c.verdict == "FAIL" for c in checks):
         if env is not None and launch.verdict != "FAIL":
             checks.append(Check("rendezvous", "SKIP", "an earlier check failed"))
@@ -420,26 +418,10 @@ def doctor(
         print(_report(_title(env), info, checks), file=sys.stderr if env[0] else sys.stdout, flush=True)
         return 1
     try:
-        envs = gather_environments(info)
-        checks += [check_consistency(envs), check_allreduce(device)]
-        rows = bandwidth_sweep(device, max_bytes)
-        best = max(rows, key=lambda r: r["busbw_gbs"]) if rows else None
-        checks.append(
-            Check(
-                "bandwidth",
-                "PASS",
-                f"peak busbw {best['busbw_gbs']:.3f} GB/s at {_size(best['bytes'])}"
-                if best
-                else "no sizes below --max-bytes",
-            )
-        )
-        table = format_bandwidth(rows, env[1], chosen)
+        envs, rows = _collective_checks(checks, info, device, max_bytes)
     except Exception as e:  # noqa: BLE001 - a collective failing mid-way is itself the finding
-        checks.append(
-            Check(
-                "collectives", "FAIL", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            )
-        )
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        checks.append(Check("collectives", "FAIL", f"{type(e).__name__}: {first_line}"))
         print(_report(_title(env), info, checks), file=sys.stderr, flush=True)
         return 1
     finally:
@@ -448,10 +430,42 @@ def doctor(
     failed = any(c.verdict == "FAIL" for c in checks)
     if env[0] == 0:
         ranks = "\n".join(f"  rank {r}: {e['host']}  {_rank_device(e)}" for r, e in enumerate(envs))
+        table = format_bandwidth(rows, env[1], chosen)
         print(_report(_title(env), info, checks, f"ranks:\n{ranks}\n\n{table}"), flush=True)
     elif failed:
         print(_report(_title(env), info, checks), file=sys.stderr, flush=True)
     return int(failed)
+
+
+def _local_checks(
+    backend: str, env: tuple[int, int, int, int] | None, timeout_s: float, endpoint: str | None, etcd: str | None
+) -> tuple[list[Check], str | None, torch.device]:
+    """The checks that need no other rank: (them, the backend chosen, the device)."""
+    backend_check, chosen = check_backend(backend)
+    device_check, device = check_device(env[2] if env else 0)
+    checks = [backend_check, device_check, check_interface(endpoint)]
+    if endpoint:
+        checks.append(check_endpoint(endpoint, timeout_s))
+    if etcd:
+        checks.append(check_etcd(parse_endpoints("--etcd", etcd), min(timeout_s, ETCD_PROBE_S)))
+    return checks, chosen, device
+
+
+def _collective_checks(
+    checks: list[Check], info: dict[str, str], device: torch.device, max_bytes: int
+) -> tuple[list[dict[str, str]], list[dict[str, float]]]:
+    """After the rendezvous: the ranks' versions, one all-reduce's result, the bandwidth sweep, appended to
+    checks as each passes (a collective that fails mid-way leaves the earlier ones in the report);
+    (every rank's environment, the sweep's rows)."""
+    envs = gather_environments(info)
+    checks += [check_consistency(envs), check_allreduce(device)]
+    rows = bandwidth_sweep(device, max_bytes)
+    best = max(rows, key=lambda r: r["busbw_gbs"]) if rows else None
+    peak = (
+        f"peak busbw {best['busbw_gbs']:.3f} GB/s at {_size(best['bytes'])}" if best else "no sizes below --max-bytes"
+    )
+    checks.append(Check("bandwidth", "PASS", peak))
+    return envs, rows
 
 
 def _rank_device(e: dict[str, str]) -> str:

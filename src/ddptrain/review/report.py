@@ -2,7 +2,7 @@
 
 Works while the run is going and after it crashed: a last line cut off mid-write is skipped.
 Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt. A run that was
-restarted is told as one story (observe/story.py): records of abandoned attempts are dropped,
+restarted is told as one story (review/story.py): records of abandoned attempts are dropped,
 restarts, resumes, world-size changes, skipped steps, failed saves and how each attempt ended
 (completed, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
 plot, each kind in a colour and marker of its own with a legend, and listed with their times;
@@ -24,13 +24,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ddptrain.checkpoint import committed_checkpoints  # noqa: E402
 from ddptrain.errors import ConfigError, DataError  # noqa: E402
-from ddptrain.observe.diagnostic_events import (  # noqa: E402
+from ddptrain.review.diagnostic_events import (  # noqa: E402
     diagnostic_events,
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
-from ddptrain.observe.records import PHASES, read_records  # noqa: E402
-from ddptrain.observe.story import Goodput, Story, goodput, tell  # noqa: E402
+from ddptrain.review.records import PHASES, read_records  # noqa: E402
+from ddptrain.review.story import Goodput, Story, goodput, tell  # noqa: E402
 from ddptrain.run_folder import checkpoints_dir, metrics_file, read_config_sections, report_dir  # noqa: E402
 from ddptrain.safe_files import ensure_dir, replacing, write_text_replace  # noqa: E402
 
@@ -325,32 +325,9 @@ def _attempt_lines(story: Story) -> list[str]:
     return lines
 
 
-def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story) -> str:
-    """The text summary: status, steps, losses, throughput per segment, goodput, events with times, checkpoints."""
-    kept = story.kept
-    train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
-    last = train[-1]
-    max_steps = _max_steps(run_dir)
-    status = _status(records, story, last["step"], max_steps)
-    info = _run_info(run_dir, story)
-    sizes = " -> ".join(map(str, info.world_sizes)) or "?"
-    cut_off = "; the last line was cut off mid-write" if truncated else ""
-    lines = [
-        f"run: {info.name} ({run_dir})",
-        f"status: {status}{cut_off}",
-        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; "
-        f"{len(story.attempts)} attempt(s))",
-        f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
-    ]
-    lines += _attempt_lines(story)
-    val = [e for e in evals if isinstance(e.get("val_loss"), (int, float))]
-    if val:
-        best = min(val, key=lambda e: e["val_loss"])
-        lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
-    key = _throughput_key(train)
-    lines.append(
-        f"throughput ({key.replace('_per_s', '/s')}, global; first window of each segment left out as warm-up):"
-    )
+def _throughput_lines(story: Story, key: str) -> list[str]:
+    """Throughput per world-size segment (its first log window left out as warm-up), MFU, the step time's split."""
+    lines = [f"throughput ({key.replace('_per_s', '/s')}, global; first window of each segment left out as warm-up):"]
     for ws, first, last_step, rows in segments(story):
         steady = [r for r in (rows[1:] or rows) if key in r]
         mean = f"{fmean(r[key] for r in steady):,.0f}" if steady else "n/a"
@@ -373,6 +350,32 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     if phases:
         split = ", ".join(f"{p.removesuffix('_s')} {1000 * v:.1f} ms" for p, v in phases.items())
         lines.append(f"step time split: {split}")
+    return lines
+
+
+def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story) -> str:
+    """The text summary: status, steps, losses, throughput per segment, goodput, events with times, checkpoints."""
+    kept = story.kept
+    train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
+    last = train[-1]
+    max_steps = _max_steps(run_dir)
+    status = _status(records, story, last["step"], max_steps)
+    info = _run_info(run_dir, story)
+    sizes = " -> ".join(map(str, info.world_sizes)) or "?"
+    cut_off = "; the last line was cut off mid-write" if truncated else ""
+    lines = [
+        f"run: {info.name} ({run_dir})",
+        f"status: {status}{cut_off}",
+        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; "
+        f"{len(story.attempts)} attempt(s))",
+        f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
+    ]
+    lines += _attempt_lines(story)
+    val = [e for e in evals if isinstance(e.get("val_loss"), (int, float))]
+    if val:
+        best = min(val, key=lambda e: e["val_loss"])
+        lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
+    lines += _throughput_lines(story, _throughput_key(train))
     if "peak_mem_mb" in last:
         lines.append(f"peak memory: {last['peak_mem_mb']:,.0f} MiB ({last.get('peak_mem_kind', '?')}, rank 0)")
     g = goodput(story)

@@ -12,18 +12,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddptrain import streams
 from ddptrain.checkpoint import VerifiedCheckpoint
-from ddptrain.checks import existing_dir
+from ddptrain.checkpoint.store import select_checkpoint
+from ddptrain.checks import existing_dir, number_in
+from ddptrain.cli_options import REQUIRED, option
 from ddptrain.config import Config, config_from_mapping
 from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models import build_model
 from ddptrain.models.loss import call_model, model_name, to_device
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `ddptrain eval` reads from its command line."""
+
+    run_dir: str = option(REQUIRED, None, positional=True)
+    overrides: tuple[str, ...] = option(
+        (), "dotted overrides of the saved config, e.g. data.dir=data/other", positional=True, repeat=True
+    )
+    step: int | None = option(None, "checkpoint step (default: the newest good one)")
+    split: str = option("val", "split of the prepared corpus")
+    batches: int = option(
+        0,
+        "global batches of train.global_batch_size samples, at any world size (default {default}: the whole split); "
+        "the run's train.eval_batches gives the trainer's val_loss",
+    )
+
+
+def evaluate(options: EvalOptions) -> int:
+    """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
+    run_dir = existing_dir("run folder", Path(options.run_dir))
+    if options.step is not None:
+        number_in("--step", options.step, 0, 10**15)
+    number_in("--batches", options.batches, 0, 10**12)
+    ckpt = select_checkpoint(run_dir, options.step, streams.say)
+    line = evaluate_checkpoint(ckpt, options.split, options.batches, options.overrides)
+    if line is not None:
+        print(line)
+    return 0
 
 
 def model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[Config, torch.nn.Module]:

@@ -27,6 +27,7 @@ from ddptrain import run
 from ddptrain.checkpoint.manifest import step_of
 from ddptrain.checkpoint.store import committed_checkpoints, search, select_checkpoint
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
+from ddptrain.cli_options import REQUIRED, option
 from ddptrain.dist import all_reduce_mean
 from ddptrain.errors import CheckpointError, UserError
 from ddptrain.observe.certificate import certificate_record, read_certificate
@@ -133,8 +134,20 @@ def judge(logged: dict[int, list[dict[str, Any]]], replayed: list[dict[str, Any]
     )
 
 
-def verify_resume(run_dir: Path, start: int | None, steps: int) -> int:
+@dataclass(frozen=True)
+class VerifyResumeOptions:
+    """What `ddptrain verify-resume` reads from its command line."""
+
+    run_dir: str = option(REQUIRED, None, positional=True)
+    start: int | None = option(
+        None, "checkpoint step (default: the newest with logged steps after it)", flag="--from", metavar="START"
+    )
+    steps: int = option(10, "steps to replay")
+
+
+def verify_resume(options: VerifyResumeOptions) -> int:
     """Replay `steps` steps from a checkpoint of run_dir and print the verdict; 0 when it matches, 1 when not."""
+    run_dir, start, steps = Path(options.run_dir), options.start, options.steps
     if steps < 1:
         raise VerifyError(f"--steps must be at least 1, got {steps}")
     cert = certificate_file(run_dir)

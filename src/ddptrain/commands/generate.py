@@ -9,6 +9,7 @@ verified manifest, never from run.dir/config.yaml, which nothing verifies.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,7 +18,9 @@ from pydantic import ValidationError
 
 from ddptrain.checkpoint import newest_verified
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
-from ddptrain.config import DataConfig, ModelConfig
+from ddptrain.checks import existing_dir, number_in, text_arg
+from ddptrain.cli_options import REQUIRED, option
+from ddptrain.config import MAX_SEED, DataConfig, ModelConfig
 from ddptrain.config_io import format_validation_error
 from ddptrain.data.corpus import read_meta
 from ddptrain.data.tokenizer import Tokenizer, load_tokenizer_file
@@ -75,7 +78,43 @@ def data_tokenizer(ckpt: VerifiedCheckpoint, data_dir: Path | None = None) -> To
     return load_tokenizer_file(data_dir / tokenizer["file"], expected_sha256=tokenizer["sha256"])
 
 
-def generate(
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What `ddptrain generate` reads from its command line."""
+
+    run_dir: str = option(REQUIRED, None, positional=True)
+    prompt: str = option("", "text to continue")
+    max_new_tokens: int = option(200, "tokens to sample")
+    temperature: float = option(0.8, None)
+    top_k: int = option(40, "sample from the k likeliest tokens; 0 for all", show_default=False)
+    seed: int = option(0, None)
+    data_dir: str | None = option(None, "the prepared corpus whose tokenizer to use (default: the run's data.dir)")
+
+
+def generate(options: GenerateOptions) -> int:
+    """Print the prompt and a sampled continuation from the run's newest good checkpoint."""
+    text_arg("--prompt", options.prompt, single_line=False)
+    number_in("--temperature", options.temperature, 0, 100, low_open=True)
+    number_in("--top-k", options.top_k, 0, 2**31)  # above the vocabulary means all tokens
+    number_in("--max-new-tokens", options.max_new_tokens, 0, 10**6)
+    number_in("--seed", options.seed, 0, MAX_SEED)
+    run_dir = existing_dir("run folder", Path(options.run_dir))
+    corpus = existing_dir("--data-dir", Path(options.data_dir)) if options.data_dir is not None else None
+    text, path = sample(
+        run_dir,
+        options.prompt,
+        options.max_new_tokens,
+        options.temperature,
+        options.top_k or None,
+        options.seed,
+        corpus,
+    )
+    print(f"(sampled from {path})", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def sample(
     run_dir: Path,
     prompt: str,
     max_new_tokens: int,

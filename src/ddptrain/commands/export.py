@@ -1,0 +1,72 @@
+"""`ddptrain export RUN_DIR --out PATH [--format hf]`: a checkpoint's model as safetensors or a transformers folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddptrain import streams
+from ddptrain.checkpoint.store import select_checkpoint
+from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir
+from ddptrain.cli_options import REQUIRED, option
+from ddptrain.config import config_from_mapping
+from ddptrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `ddptrain export` reads from its command line."""
+
+    run_dir: str = option(REQUIRED, None, positional=True)
+    out: str = option(REQUIRED, "output .safetensors file (config beside it as .json), or a folder with --format hf")
+    step: int | None = option(None, "checkpoint step (default: the newest good one)")
+    format: str = option(
+        "safetensors",
+        "hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer",
+        choices=("safetensors", "hf"),
+        show_default=False,
+    )
+    data_dir: str | None = option(
+        None, "--format hf: the prepared corpus whose tokenizer to include (default: the run's data.dir)"
+    )
+
+
+def export(options: ExportOptions) -> int:
+    """Write a checkpoint's model: plain safetensors (config beside it) or a transformers folder (--format hf)."""
+    existing_dir("run folder", Path(options.run_dir))
+    if options.step is not None:
+        number_in("--step", options.step, 0, 10**15)
+    if options.data_dir is not None and options.format != "hf":
+        raise ConfigError("--data-dir gives --format hf its tokenizer; plain safetensors export writes none")
+    if options.format == "hf":
+        return _export_hf(options)
+    from ddptrain.checkpoint.export import export_model
+
+    out_path = creatable_file("--out", Path(options.out))
+    if out_path.suffix == ".json":
+        raise ConfigError(f"--out {options.out}: the model config goes to a .json beside the weights; use .safetensors")
+    path, count = export_model(Path(options.run_dir), out_path, options.step, streams.say)
+    print(f"exported {path.name} ({count} tensors) to {out_path} and {out_path.with_suffix('.json')}")
+    return 0
+
+
+def _export_hf(options: ExportOptions) -> int:
+    from ddptrain.checkpoint.export import refuse_links_inside, staged_output
+    from ddptrain.checkpoint.export_hf import export_hf
+    from ddptrain.commands.evaluate import model_of, tokenizer_dir
+
+    run_dir = Path(options.run_dir)
+    out_dir = output_dir("--out", Path(options.out))
+    ckpt = select_checkpoint(run_dir, options.step, streams.say)
+    saved = config_from_mapping(ckpt.manifest.config)
+    if saved.model.live is not None and saved.model.target is None:
+        raise ConfigError(
+            f"model.live={saved.model.live!r}: --format hf exports the built-in GPT and model.hf models, "
+            "not a live nn.Module passed to ddptrain.train(); export without --format hf writes its weights"
+        )
+    cfg, model = model_of(ckpt)
+    refuse_links_inside(run_dir, out_dir)
+    with staged_output(out_dir) as work:  # complete or absent: a failed export leaves nothing behind
+        what = export_hf(model, cfg.model, tokenizer_dir(cfg, options.data_dir), work)
+    print(f"exported {ckpt.path.name} to {options.out}: {what}")
+    return 0
