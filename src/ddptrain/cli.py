@@ -45,7 +45,7 @@ from ddptrain.errors import (
     DdptrainError,
     LaunchError,
 )
-from ddptrain.etcd_endpoints import parse_endpoints
+from ddptrain.launch.etcd_endpoints import parse_endpoints
 from ddptrain.launch.launcher import add_parser as add_launch_parser
 from ddptrain.launch.launcher import launch as run_launch
 from ddptrain.launch.launcher import node_counts, nproc_per_node

@@ -19,7 +19,7 @@ import pytest
 from helpers import env_for_subprocess
 from netns import Node
 
-from ddptrain.etcd_endpoints import health
+from ddptrain.launch.etcd_endpoints import health
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 

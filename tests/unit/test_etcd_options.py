@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ddptrain.cli import main
 from ddptrain.errors import LaunchError
-from ddptrain.etcd_endpoints import DEFAULT_PORT, ETCD_ENV, format_endpoints, parse_endpoints
+from ddptrain.launch.etcd_endpoints import DEFAULT_PORT, ETCD_ENV, format_endpoints, parse_endpoints
 from ddptrain.observe.doctor import check_etcd, doctor
 
 _labels = st.text("abz09", min_size=1, max_size=4) | st.tuples(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from ddptrain.checks import script_text
 from ddptrain.config import Config, load_config
 from ddptrain.errors import ConfigError, UserError
-from ddptrain.etcd_endpoints import format_endpoints, parse_endpoints
+from ddptrain.launch.etcd_endpoints import format_endpoints, parse_endpoints
 
 EXIT_USAGE = UserError.exit_code  # bad input: `ddptrain launch` ends with it, a retry cannot help
 # The etcd rendezvous that generated jobs use with an existing etcd cluster: torch's current one,

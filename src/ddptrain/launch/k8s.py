@@ -42,7 +42,7 @@ from ddptrain.checks import script_text
 from ddptrain.cli_options import option
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
-from ddptrain.etcd_endpoints import format_endpoint, parse_endpoints
+from ddptrain.launch.etcd_endpoints import format_endpoint, parse_endpoints
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
     check_batch_split,

@@ -56,7 +56,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from ddptrain import streams
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
-from ddptrain.etcd_endpoints import (
+from ddptrain.launch.etcd_endpoints import (
     ETCD_BACKENDS,
     ETCD_ENV,
     format_endpoints,

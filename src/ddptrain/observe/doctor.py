@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ddptrain.dist import probe_store, read_torchrun_env, resolve_backend
 from ddptrain.errors import LaunchError
-from ddptrain.etcd_endpoints import ETCD_ENV, Endpoint, format_endpoint, health, parse_endpoints
+from ddptrain.launch.etcd_endpoints import ETCD_ENV, Endpoint, format_endpoint, health, parse_endpoints
 from ddptrain.observe.perf import device_name, peak_flops
 
 _ENV_VARS = (
