@@ -36,6 +36,7 @@ from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir,
 from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
+from ddptrain.endpoints import host_port
 from ddptrain.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -195,9 +196,7 @@ def doctor(backend: str, timeout_s: float, max_mb: float, endpoint: str | None =
     number_in("--timeout", timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
     number_in("--max-mb", max_mb, 0, 2**16, low_open=True)
     if endpoint is not None:
-        host, sep, port = endpoint.rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
+        host_port("--endpoint", endpoint)
     if etcd is not None:
         parse_endpoints("--etcd", etcd)
     return run_doctor(backend, timeout_s, int(max_mb * 2**20), endpoint, etcd)

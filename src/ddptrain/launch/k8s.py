@@ -41,8 +41,9 @@ import yaml
 from ddptrain.checks import script_text
 from ddptrain.cli_options import option
 from ddptrain.config import Config
+from ddptrain.endpoints import format_endpoint
 from ddptrain.errors import ConfigError
-from ddptrain.launch.etcd_endpoints import format_endpoint, parse_endpoints
+from ddptrain.launch.etcd_endpoints import parse_endpoints
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
     check_batch_split,

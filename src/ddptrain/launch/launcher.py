@@ -55,6 +55,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain import streams
 from ddptrain.dist import BIND_ADDR_ENV, listening_store
+from ddptrain.endpoints import host_port, split_host_port
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.launch.etcd_endpoints import (
     ETCD_BACKENDS,
@@ -179,13 +180,6 @@ def add_parser(sub: Any) -> None:
 
 
 # ---- the torchrun command line ----------------------------------------------------------------
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"--rdzv-endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
-    return host.strip("[]"), int(port)
 
 
 def node_counts(nnodes: str) -> tuple[int, int]:
@@ -318,7 +312,7 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         if args.node_addr:
             env[BIND_ADDR_ENV] = args.node_addr  # the workers' store listens on this address only
     elif args.rdzv_endpoint:
-        host, _ = _split_endpoint(args.rdzv_endpoint)
+        host, _ = host_port("--rdzv-endpoint", args.rdzv_endpoint)
         endpoint = args.rdzv_endpoint
         run_id = args.run_id or default_run_id(endpoint)
         env[TRIAGE_STORE_ENV] = endpoint  # the rendezvous store outlives any worker: triage checks in there
@@ -548,13 +542,14 @@ def _rendezvous_handler(params: RendezvousParameters, bind: str | None) -> Rende
     """
     if params.backend in ETCD_BACKENDS:
         return etcd_handler(params, parse_endpoints("--rdzv-endpoint", params.endpoint))
-    host, _, port = (params.endpoint or "").rpartition(":")
+    endpoint = split_host_port(params.endpoint or "")
     hosts = params.config.get("is_host") in (True, "true", "1") or params.max_nodes == 1
-    if bind is None or not hosts or not port.isdigit():
+    if bind is None or not hosts or endpoint is None:
         return rdzv_registry.get_rendezvous_handler(params)
+    port = endpoint[1]
     read_timeout = timedelta(seconds=int(params.config.get("read_timeout", 60)))
     try:
-        store = listening_store(bind, int(port), read_timeout)
+        store = listening_store(bind, port, read_timeout)
     except OSError as e:
         raise LaunchError(f"cannot serve the rendezvous on {bind}:{port}: {e.strerror or e}") from None
     return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
