@@ -33,7 +33,10 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from ddptrain import run, streams
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
+from ddptrain.cli_options import from_args
 from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
+from ddptrain.commands.launch import add_parser as add_launch_parser
+from ddptrain.commands.launch import launch as run_launch
 from ddptrain.config import MAX_SEED, MAX_TIMEOUT_S, DataConfig, config_from_mapping, describe_fields
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, stdlib_sources
 from ddptrain.endpoints import host_port
@@ -47,9 +50,7 @@ from ddptrain.errors import (
     LaunchError,
 )
 from ddptrain.launch.etcd_endpoints import parse_endpoints
-from ddptrain.launch.launcher import add_parser as add_launch_parser
-from ddptrain.launch.launcher import launch as run_launch
-from ddptrain.launch.launcher import node_counts, nproc_per_node
+from ddptrain.launch.options import LaunchOptions, node_counts, nproc_per_node
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
@@ -168,16 +169,16 @@ def verify_resume(run_dir: str, start: int | None, steps: int) -> int:
 def launch(args: argparse.Namespace) -> int:
     """This node's share of a job; the worker command is checked here first (with --dry-run too), so bad
     input exits 2 in one line before any worker starts."""
-    check_worker_command(args.worker_command, args.nnodes, args.nproc_per_node)
-    return run_launch(args)
+    options = from_args(LaunchOptions, args)
+    check_worker_command(options.worker_command, options.nnodes, options.nproc_per_node)
+    return run_launch(options)
 
 
 def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> None:
     """Parse the worker command as a worker will; for `train`, load its config and check the batch split."""
-    command = list(command)[1:] if list(command)[:1] == ["--"] else list(command)
     if not command:
         return  # the launcher says what is missing
-    worker = _parser(WorkerCommandParser).parse_args(command)
+    worker = _parser(WorkerCommandParser).parse_args(list(command))
     if worker.command == "launch":
         raise LaunchError("the worker command cannot be launch itself; give the command each worker runs, e.g. train")
     if worker.command != "train" or worker.help_config:
