@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ddptrain import run, streams
 from ddptrain.checkpoint.store import select_checkpoint
-from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, output_file, text_arg
+from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir, text_arg
 from ddptrain.cli_options import from_args
 from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
 from ddptrain.commands.launch import add_parser as add_launch_parser
@@ -51,7 +51,6 @@ from ddptrain.errors import (
 )
 from ddptrain.launch.etcd_endpoints import parse_endpoints
 from ddptrain.launch.options import LaunchOptions, node_counts, nproc_per_node
-from ddptrain.safe_files import write_text_replace
 from ddptrain.train.preemption import decided_stop, hold_until_exit, settle_for_exit
 
 DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
@@ -224,35 +223,18 @@ def generate(
 
 def slurm(args: argparse.Namespace) -> int:
     """Write the sbatch script for a config (and submit it with --submit)."""
-    from ddptrain.cli_options import from_args
-    from ddptrain.launch.jobspec import load_job_config
-    from ddptrain.launch.slurm import SlurmJob, submit, write_script
+    from ddptrain.commands.slurm import SlurmOptions
+    from ddptrain.commands.slurm import slurm as run_slurm
 
-    cfg = load_job_config(args.config, args.overrides)
-    out = output_file("--out", Path(args.out)) if args.out else None
-    script = write_script(cfg, from_args(SlurmJob, args), out)
-    print(f"wrote {script}")
-    if args.submit:
-        print(f"submitted job {submit(script)}")
-    return 0
+    return run_slurm(from_args(SlurmOptions, args))
 
 
 def k8s(args: argparse.Namespace) -> int:
     """Print (or write) the PyTorchJob manifest for a config."""
-    from ddptrain.cli_options import from_args
-    from ddptrain.launch.jobspec import load_job_config
-    from ddptrain.launch.k8s import K8sJob, render_manifest
+    from ddptrain.commands.k8s import K8sOptions
+    from ddptrain.commands.k8s import k8s as run_k8s
 
-    cfg = load_job_config(args.config, args.overrides)
-    if args.out:
-        output_file("--out", Path(args.out))
-    text = render_manifest(cfg, from_args(K8sJob, args))
-    if args.out:
-        write_text_replace(Path(args.out), text)  # a link planted at --out is replaced, never written through
-        print(f"wrote {args.out}")
-    else:
-        print(text, end="")
-    return 0
+    return run_k8s(from_args(K8sOptions, args))
 
 
 # ---- argument parsing -------------------------------------------------------------------------
@@ -366,22 +348,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argp
 
 
 def _add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ddptrain.cli_options import add_options
-    from ddptrain.launch.k8s import K8sJob
-    from ddptrain.launch.slurm import SlurmJob
+    from ddptrain.commands import k8s, slurm
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", help="YAML config file (frozen into the job definition)")
-    common.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
-
-    s = sub.add_parser("slurm", parents=[common], help="write (and --submit) an sbatch script for a config")
-    add_options(s, SlurmJob)
-    s.add_argument("--out", help="script path (default run.dir/slurm/<submission>/job.sbatch)")
-    s.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
-
-    k = sub.add_parser("k8s", parents=[common], help="write a Kubeflow PyTorchJob manifest for a config")
-    add_options(k, K8sJob)
-    k.add_argument("--out", help="manifest file (default: standard output)")
+    slurm.add_parser(sub)
+    k8s.add_parser(sub)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -85,8 +85,8 @@ def _help(spec: type[Any], default: Any, meta: dict[str, Any]) -> str:
     text: str = meta["help"]
     names = {name for _, name, _, _ in string.Formatter().parse(text) if name}
     if names:
-        return text.format(default=default, **{name: getattr(spec, name) for name in names - {"default"}})
-    hidden = default in (None, (), "") or isinstance(default, bool) or meta["required"]
+        text = text.format(default=default, **{name: getattr(spec, name) for name in names - {"default"}})
+    hidden = default in (None, (), "") or isinstance(default, bool) or meta["required"] or "default" in names
     return text if hidden else f"{text} (default {default})"
 
 
