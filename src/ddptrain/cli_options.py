@@ -1,4 +1,4 @@
-"""Command-line options derived from a job spec's dataclass fields, so each default is written once.
+"""Command-line options derived from an options dataclass's fields, so each default is written once.
 
 A field declared with `option(...)` becomes `--field-name` (or the flag given) on the subcommand's
 parser with the field's default, type and help; `from_args` builds the spec back from the parsed
