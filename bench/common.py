@@ -145,6 +145,32 @@ class Baton:
             _write_atomic(self.folder / f"{self.name}.done.{self.round}", json.dumps(result))
         self.round += 1
 
+    def serve_rounds(
+        self,
+        run_round: Callable[[], None],
+        sync: Callable[[], None],
+        steps: int,
+        samples_per_step: int,
+        losses: Callable[[], list[float]],
+    ) -> None:
+        """Serve rounds until told to stop: sync the ranks, time S steps, report (every worker kind, peers too)."""
+        import torch
+
+        while self.wait():
+            sync()
+            t0 = time.perf_counter()
+            run_round()
+            seconds = time.perf_counter() - t0
+            self.report(
+                {
+                    "seconds": seconds,
+                    "steps": steps,
+                    "samples": steps * samples_per_step,
+                    "threads": torch.get_num_threads(),
+                    "losses": losses(),
+                }
+            )
+
 
 @dataclass
 class Variant:

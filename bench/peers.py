@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 
 from bench.common import Baton
 from bench.raw_loop import make_optimizer
-from bench.train_worker import run_rounds
 from ddptrain.config import Config
 from ddptrain.data.dataset import TokenDataset, load_split
 from ddptrain.models.gpt import GPT
@@ -125,5 +124,5 @@ def accelerate_worker(cfg: Config, baton: Baton, steps: int) -> None:
         losses.clear()
         return out
 
-    run_rounds(baton, run_round, acc.wait_for_everyone, steps, cfg.train.global_batch_size, drain)
+    baton.serve_rounds(run_round, acc.wait_for_everyone, steps, cfg.train.global_batch_size, drain)
     acc.end_training()

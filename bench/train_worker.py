@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,31 +44,6 @@ class BenchTrainer(Trainer):
         """Nothing was saved, so there is no final state to wait for or to require."""
 
 
-def run_rounds(
-    baton: Baton,
-    run_round: Callable[[], None],
-    sync: Callable[[], None],
-    steps: int,
-    samples_per_step: int,
-    losses: Callable[[], list[float]],
-) -> None:
-    """Serve rounds until told to stop: sync the ranks, time S steps, report."""
-    while baton.wait():
-        sync()
-        t0 = time.perf_counter()
-        run_round()
-        seconds = time.perf_counter() - t0
-        baton.report(
-            {
-                "seconds": seconds,
-                "steps": steps,
-                "samples": steps * samples_per_step,
-                "threads": torch.get_num_threads(),
-                "losses": losses(),
-            }
-        )
-
-
 def ddptrain_worker(cfg: Config, baton: Baton, steps: int) -> None:
     """ddptrain's Trainer.fit(), S more steps per round."""
     ctx = init_distributed(cfg.dist)
@@ -82,7 +56,7 @@ def ddptrain_worker(cfg: Config, baton: Baton, steps: int) -> None:
         trainer.cfg.train.max_steps = trainer.step + steps
         trainer.fit()
 
-    run_rounds(baton, run_round, sync, steps, cfg.train.global_batch_size, lambda: _drain(trainer.losses))
+    baton.serve_rounds(run_round, sync, steps, cfg.train.global_batch_size, lambda: _drain(trainer.losses))
     trainer.metrics.close()
     close_distributed(ctx)
 
@@ -98,7 +72,7 @@ def raw_worker(cfg: Config, baton: Baton, steps: int) -> None:
         for _ in range(steps):
             loop.train_step()
 
-    run_rounds(baton, run_round, dist.barrier, steps, cfg.train.global_batch_size, lambda: _drain(loop.losses))
+    baton.serve_rounds(run_round, dist.barrier, steps, cfg.train.global_batch_size, lambda: _drain(loop.losses))
     dist.destroy_process_group()
 
 

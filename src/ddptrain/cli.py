@@ -28,29 +28,27 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ddptrain import run, streams
-from ddptrain.checks import output_file
 from ddptrain.cli_options import add_options, from_args, options_type
 from ddptrain.cli_parsers import OneLineParser, UsageError, WorkerCommandParser, usage_prog
 from ddptrain.commands.doctor import doctor
 from ddptrain.commands.evaluate import evaluate
 from ddptrain.commands.export import export
 from ddptrain.commands.generate import generate
+from ddptrain.commands.k8s import k8s
+from ddptrain.commands.launch import launch
 from ddptrain.commands.prepare import prepare
 from ddptrain.commands.report import report
+from ddptrain.commands.slurm import slurm
 from ddptrain.commands.train import train
 from ddptrain.commands.triage import triage
 from ddptrain.commands.verify_resume import verify_resume
 from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DdptrainError, LaunchError
-from ddptrain.launch.launcher import add_parser as add_launch_parser
-from ddptrain.launch.launcher import launch as run_launch
-from ddptrain.launch.launcher import node_counts, nproc_per_node
-from ddptrain.safe_files import write_text_replace
+from ddptrain.launch.options import LaunchOptions, node_counts, nproc_per_node
 from ddptrain.train.preemption import decided_stop, settle_for_exit
 
 
@@ -59,44 +57,35 @@ class Command(NamedTuple):
 
     run: Callable[[Any], int]
     help: str
-    # launch, slurm and k8s build their own parser and take the parsed namespace, until they take a dataclass too.
-    register: Callable[[Any], None] | None = None
+    description: str | None = None  # the text atop `ddptrain NAME --help`, when it says more than the help
 
 
 def _parser(parser_class: type[argparse.ArgumentParser] = OneLineParser) -> argparse.ArgumentParser:
     p = parser_class(prog="ddptrain", description="Multi-node DDP training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
-        if command.register is not None:
-            command.register(sub)
-        else:
-            add_options(sub.add_parser(name, help=command.help), options_type(command.run))
+        parser = sub.add_parser(name, help=command.help, description=command.description)
+        add_options(parser, options_type(command.run))
     return p
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     command = COMMANDS[args.command]
-    if command.register is not None:
-        return command.run(args)
     return command.run(from_args(options_type(command.run), args))
 
 
-# ---- launch, slurm, k8s -----------------------------------------------------------------------
-
-
-def launch(args: argparse.Namespace) -> int:
-    """This node's share of a job; the worker command is checked here first (with --dry-run too), so bad
-    input exits 2 in one line before any worker starts."""
-    check_worker_command(args.worker_command, args.nnodes, args.nproc_per_node)
-    return run_launch(args)
+def launch_checked(options: LaunchOptions) -> int:
+    """`ddptrain launch` from the command line: the worker command is parsed first, as a worker will (with
+    --dry-run too), so bad input exits 2 in one line before any worker starts."""
+    check_worker_command(options.worker_command, options.nnodes, options.nproc_per_node)
+    return launch(options)
 
 
 def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> None:
     """Parse the worker command as a worker will; for `train`, load its config and check the batch split."""
-    command = list(command)[1:] if list(command)[:1] == ["--"] else list(command)
     if not command:
         return  # the launcher says what is missing
-    worker = _parser(WorkerCommandParser).parse_args(command)
+    worker = _parser(WorkerCommandParser).parse_args(list(command))
     if worker.command == "launch":
         raise LaunchError("the worker command cannot be launch itself; give the command each worker runs, e.g. train")
     if worker.command != "train" or worker.help_config:
@@ -108,76 +97,23 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
         cfg.check_world_size(low * per_node)
 
 
-def slurm(args: argparse.Namespace) -> int:
-    """Write the sbatch script for a config (and submit it with --submit)."""
-    from ddptrain.launch.jobspec import load_job_config
-    from ddptrain.launch.slurm import SlurmJob, submit, write_script
-
-    cfg = load_job_config(args.config, args.overrides)
-    out = output_file("--out", Path(args.out)) if args.out else None
-    script = write_script(cfg, from_args(SlurmJob, args), out)
-    print(f"wrote {script}")
-    if args.submit:
-        print(f"submitted job {submit(script)}")
-    return 0
-
-
-def k8s(args: argparse.Namespace) -> int:
-    """Print (or write) the PyTorchJob manifest for a config."""
-    from ddptrain.launch.jobspec import load_job_config
-    from ddptrain.launch.k8s import K8sJob, render_manifest
-
-    cfg = load_job_config(args.config, args.overrides)
-    if args.out:
-        output_file("--out", Path(args.out))
-    text = render_manifest(cfg, from_args(K8sJob, args))
-    if args.out:
-        write_text_replace(Path(args.out), text)  # a link planted at --out is replaced, never written through
-        print(f"wrote {args.out}")
-    else:
-        print(text, end="")
-    return 0
-
-
-def _job_config_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", help="YAML config file (frozen into the job definition)")
-    common.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100")
-    return common
-
-
-def _add_slurm_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ddptrain.launch.slurm import SlurmJob
-
-    s = sub.add_parser(
-        "slurm", parents=[_job_config_parser()], help="write (and --submit) an sbatch script for a config"
-    )
-    add_options(s, SlurmJob)
-    s.add_argument("--out", help="script path (default run.dir/slurm/<submission>/job.sbatch)")
-    s.add_argument("--submit", action="store_true", help="submit with sbatch after writing")
-
-
-def _add_k8s_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ddptrain.launch.k8s import K8sJob
-
-    k = sub.add_parser("k8s", parents=[_job_config_parser()], help="write a Kubeflow PyTorchJob manifest for a config")
-    add_options(k, K8sJob)
-    k.add_argument("--out", help="manifest file (default: standard output)")
-
-
 COMMANDS: dict[str, Command] = {
     "train": Command(train, "train (one process, or one rank under torchrun)"),
     "prepare": Command(prepare, "tokenize text files or JSON Lines into token shards"),
     "export": Command(export, "export a checkpoint's model: safetensors, or a transformers folder"),
     "eval": Command(evaluate, "mean loss and perplexity of a checkpoint on the validation split"),
-    "launch": Command(launch, "", register=add_launch_parser),
+    "launch": Command(
+        launch_checked,
+        "run a job on this node (one command per node; torchrun underneath)",
+        "Start this node's share of a (multi-node) job: `ddptrain launch [options] -- train -c cfg.yaml ...`",
+    ),
     "report": Command(report, "plots and a summary of a run's metrics (works on running and crashed runs)"),
     "doctor": Command(doctor, "bring-up checks: environment, rendezvous, all-reduce bandwidth"),
     "triage": Command(triage, "one verdict from the stacks a hang left in RUN_DIR/stacks"),
     "verify-resume": Command(verify_resume, "replay steps from a checkpoint and compare with what the run logged"),
     "generate": Command(generate, "sample text from the built-in GPT of a run's newest good checkpoint"),
-    "slurm": Command(slurm, "", register=_add_slurm_parser),
-    "k8s": Command(k8s, "", register=_add_k8s_parser),
+    "slurm": Command(slurm, "write (and --submit) an sbatch script for a config"),
+    "k8s": Command(k8s, "write a Kubeflow PyTorchJob manifest for a config"),
 }
 
 

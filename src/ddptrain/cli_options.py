@@ -7,7 +7,8 @@ are not options (set them in code). A command function takes one such dataclass 
 
 A help that names `{default}` shows the default there (formatted as written, e.g. `{default:,}`);
 any other gets " (default X)" appended unless the default is empty, a flag's False, or
-`show_default=False`. A field without a default (`option(REQUIRED, ...)`) is a required option, or
+`show_default=False`. Any other `{name}` in a help is the dataclass's class attribute `name`, so that a
+base class's options read right in each subclass (`{node}`: a node, a pod). A field without a default (`option(REQUIRED, ...)`) is a required option, or
 a required argument when positional.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import string
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -36,10 +38,12 @@ def option(
     choices: tuple[str, ...] | None = None,
     required: bool = False,
     positional: bool = False,
+    remainder: bool = False,
     show_default: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line option (`repeat`: a tuple built from repeated flags, or
-    from every remaining argument when `positional`; `short`: a one-letter alias such as -c)."""
+    from every remaining argument when `positional`; `short`: a one-letter alias such as -c; `remainder`: the
+    words after `--`, a tuple without the `--` itself)."""
     meta = {
         _META: {
             "help": help,
@@ -51,12 +55,13 @@ def option(
             "choices": choices,
             "required": required or default is REQUIRED,
             "positional": positional,
+            "remainder": remainder,
             "show_default": show_default,
         }
     }
     if default is REQUIRED:
         return dataclasses.field(metadata=meta)
-    if repeat:
+    if repeat or remainder:
         return dataclasses.field(default=tuple(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -65,11 +70,14 @@ def _flag(field: dataclasses.Field[Any]) -> str:
     return field.metadata[_META]["flag"] or "--" + field.name.replace("_", "-")
 
 
-def _help(meta: dict[str, Any], default: Any) -> str | None:
-    text = meta["help"]
-    if text is None or "{default" in text:
-        return text if text is None else text.format(default=default)
-    hidden = default in (None, (), "", dataclasses.MISSING) or isinstance(default, bool)
+def _help(spec: type[Any], meta: dict[str, Any], default: Any) -> str | None:
+    text: str | None = meta["help"]
+    if text is None:
+        return None
+    names = {name for _, name, _, _ in string.Formatter().parse(text) if name}
+    if names:
+        text = text.format(default=default, **{name: getattr(spec, name) for name in names - {"default"}})
+    hidden = default in (None, (), "", dataclasses.MISSING) or isinstance(default, bool) or "default" in names
     return text if hidden or meta["required"] or not meta["show_default"] else f"{text} (default {default})"
 
 
@@ -88,7 +96,10 @@ def add_options(parser: argparse.ArgumentParser, spec: type[Any]) -> None:
             continue
         default = field.default
         kind = meta["parse"] or _value_type(hints[field.name])
-        kwargs: dict[str, Any] = {"help": _help(meta, default)}
+        kwargs: dict[str, Any] = {"help": _help(spec, meta, default)}
+        if meta["remainder"]:
+            parser.add_argument(field.name, nargs=argparse.REMAINDER, **kwargs)
+            continue
         if meta["positional"]:
             kwargs.update(nargs="*" if meta["repeat"] else None, type=kind)
             parser.add_argument(field.name, **kwargs)
@@ -115,7 +126,10 @@ def from_args(spec: Callable[..., T], args: argparse.Namespace) -> T:
     for field in dataclasses.fields(spec):  # type: ignore[arg-type]
         if _META in field.metadata and hasattr(args, field.name):
             value = getattr(args, field.name)
-            if field.metadata[_META]["repeat"]:
+            meta = field.metadata[_META]
+            if meta["remainder"] and value[:1] == ["--"]:
+                value = value[1:]  # argparse keeps the `--` that starts the remainder; here is the one place it goes
+            if meta["repeat"] or meta["remainder"]:
                 value = tuple(value or ())
             values[field.name] = value
     return spec(**values)

@@ -1,7 +1,8 @@
 """etcd endpoints for the rendezvous: parsing `HOST[:PORT],...` and asking a member whether it is healthy.
 
-A leaf: `ddptrain launch`, the SLURM and Kubernetes generators and `ddptrain doctor` all read
-endpoints the same way, and bad syntax exits 2 with one line naming the flag.
+`ddptrain launch`, the SLURM and Kubernetes generators and `ddptrain doctor` all read etcd
+members the same way, and bad syntax exits 2 with one line naming the flag. (One `HOST:PORT`
+with its port required is ddptrain/endpoints.py's.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from ddptrain.endpoints import MAX_PORT, Endpoint, format_endpoint
 from ddptrain.errors import LaunchError
 
 ETCD_BACKENDS = ("etcd-v2", "etcd")  # torchrun's two etcd rendezvous; etcd-v2 is torch's current one
@@ -23,8 +25,6 @@ EXTRA = "pip install 'ddptrain[etcd]'"  # the extra that installs PyPI's python-
 ETCD_ENV = "DDPTRAIN_ETCD_ENDPOINTS"  # set by `ddptrain launch` for its workers: `ddptrain doctor` checks them
 MAX_ENDPOINTS = 16  # an etcd cluster has 3, 5 or 7 members; more is a typo or a paste of something else
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
-
-Endpoint = tuple[str, int]
 
 
 def _host(flag: str, item: str, host: str) -> str:
@@ -67,19 +67,13 @@ def parse_endpoints(flag: str, value: str) -> tuple[Endpoint, ...]:
             colon = rest.find(":")
             host, tail = (rest, "") if colon < 0 else (rest[:colon], rest[colon:])
         port = tail[1:] if tail.startswith(":") else None
-        if tail and (port is None or not port.isdigit() or not 0 < int(port) < 65536):
+        if tail and (port is None or not port.isdigit() or not 0 < int(port) <= MAX_PORT):
             raise LaunchError(f"{flag}: {item!r} has no valid port (1-65535)")
         endpoint = (_host(flag, item, host), int(port) if port else DEFAULT_PORT)
         if endpoint in out:
             raise LaunchError(f"{flag}: {item!r} is given twice")
         out.append(endpoint)
     return tuple(out)
-
-
-def format_endpoint(endpoint: Endpoint) -> str:
-    """HOST:PORT as etcd and torchrun write it (IPv6 in brackets)."""
-    host, port = endpoint
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def format_endpoints(endpoints: Sequence[Endpoint]) -> str:

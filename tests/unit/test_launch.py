@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ddptrain.cli import main
-from ddptrain.launch.launcher import default_run_id, exit_code_for, interface_of
+from ddptrain.launch.launcher import exit_code_for
+from ddptrain.launch.torchrun_args import default_run_id, interface_of
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -90,11 +91,14 @@ def test_stale_torchrun_variables_are_ignored(
 
 def test_scheduler_variables_that_contradict_the_command_are_named() -> None:
     """What the Kubeflow operator injects is compared with the command line, which wins."""
-    from ddptrain.launch.launcher import add_parser, pet_conflicts
+    from ddptrain.cli_options import add_options, from_args
+    from ddptrain.launch.options import LaunchOptions
+    from ddptrain.launch.torchrun_args import pet_conflicts
 
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    args = parser.parse_args(["launch", "--nnodes", "2:2", "--rdzv-endpoint", "job-master-0:29400", "--", "train"])
+    add_options(parser, LaunchOptions)
+    argv = ["--nnodes", "2:2", "--rdzv-endpoint", "job-master-0:29400", "--", "train"]
+    args = from_args(LaunchOptions, parser.parse_args(argv))
     agreeing = {"PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": "job-master-0:29400", "PET_NODE_RANK": "1"}
     assert pet_conflicts(args, agreeing) == []
     (line,) = pet_conflicts(args, {**agreeing, "PET_RDZV_ENDPOINT": "job-worker-0:29400"})

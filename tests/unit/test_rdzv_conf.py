@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from ddptrain.cli import main
 from ddptrain.errors import LaunchError
-from ddptrain.launch.launcher import _rendezvous_handler
+from ddptrain.launch.agent import rendezvous_handler
 from ddptrain.launch.rdzv_conf import KEYS, parse_rdzv_conf
 
 
@@ -110,7 +110,7 @@ def test_what_is_accepted_torch_takes_as_given(items: dict[str, str]) -> None:
         return
     assert parsed == {k: v.strip() for k, v in items.items()}
     params = RendezvousParameters("c10d", "127.0.0.1:0", "conf-test", 1, 1, **parsed)
-    handler = _rendezvous_handler(params, "127.0.0.1")  # hosts the store on loopback, as a one-node job does
+    handler = rendezvous_handler(params, "127.0.0.1")  # hosts the store on loopback, as a one-node job does
     try:
         settings_ = handler._settings  # type: ignore[attr-defined]  # what the handler runs with
         if "keep_alive_interval" in parsed:

@@ -1,6 +1,6 @@
 """The torch internals `ddptrain launch` relies on, pinned, and the supported range enforced.
 
-launch/launcher.py subclasses torchelastic's LocalElasticAgent and overrides private methods; a
+launch/agent.py subclasses torchelastic's LocalElasticAgent and overrides private methods; a
 torch upgrade that renames one or changes its parameters would silently skip our override (the
 job would then restart preempted workers, or wait 300 s in the exit barrier). These tests fail
 loudly instead, in CI rather than on a cluster.
@@ -20,7 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import get_args_parser
 
 from ddptrain.errors import LaunchError
-from ddptrain.launch import launcher
+from ddptrain.launch.agent import Agent
 from ddptrain.launch.torch_support import SUPPORTED_TORCH, check_torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ OVERRIDDEN = {
 def test_overridden_agent_methods_exist_with_these_parameters(method: str, params: list[str]) -> None:
     base = getattr(LocalElasticAgent, method)
     assert list(inspect.signature(base).parameters)[1:] == params, f"LocalElasticAgent.{method} changed"
-    ours = getattr(launcher._Agent, method)
+    ours = getattr(Agent, method)
     assert list(inspect.signature(ours).parameters)[1:] == params
 
 

@@ -20,8 +20,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from ddptrain.endpoints import Endpoint, format_endpoint
 from ddptrain.errors import DdptrainError, LaunchError
-from ddptrain.etcd_endpoints import Endpoint, format_endpoint, format_endpoints, require_client, wait_healthy
+from ddptrain.etcd_endpoints import format_endpoints, require_client, wait_healthy
 
 # The key prefixes torch's own factories use, so that a job started with plain torchrun and one
 # started by ddptrain on the same etcd see each other's state the same way.

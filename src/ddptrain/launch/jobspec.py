@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from ddptrain.checks import script_text
-from ddptrain.config import Config, load_config
+from ddptrain.cli_options import option
+from ddptrain.config import MAX_TIMEOUT_S, Config, load_config
 from ddptrain.errors import ConfigError, UserError
 from ddptrain.etcd_endpoints import format_endpoints, parse_endpoints
 
@@ -25,6 +28,61 @@ ETCD_BACKEND = "etcd-v2"
 _WORKER_MARGIN_S = 10
 # Slack for what follows the workers' exit: the launcher's exit, the rendezvous close, srun or the pod.
 _LAUNCHER_MARGIN_S = 20
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every scheduler's job is made of (each field a `ddptrain slurm`/`k8s` option): the config it
+    trains, its nodes and ranks, and the estimates its stop window is sized from.
+
+    A subclass says in `node` what one `ddptrain launch` runs on (a node, a pod): the help texts name it.
+    """
+
+    node: ClassVar[str] = "node"
+
+    config: str | None = option(None, "YAML config file (frozen into the job definition)", short="-c")
+    overrides: tuple[str, ...] = option((), "dotted overrides, e.g. train.max_steps=100", positional=True, repeat=True)
+    nodes: int = option(1, "{node}s (one `ddptrain launch` each)")
+    gpus_per_node: int = option(0, "GPUs per {node} (0: CPU only)")
+    nproc_per_node: int | None = option(None, "ranks per {node} (default: --gpus-per-node, else 1)", parse=int)
+    step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
+    save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
+
+    @property
+    def procs(self) -> int:
+        """Ranks per node: as given, else one per GPU, else one."""
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    def load_config(self) -> Config:
+        """The config the job will train with (checked: a restart must resume)."""
+        return load_job_config(self.config, self.overrides)
+
+    def worker_stop_s(self) -> int:
+        """Seconds the workers get after a stop signal (launch --shutdown-timeout): finish a step, commit."""
+        if not all(math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S for t in (self.step_s, self.save_s)):
+            raise ConfigError(
+                f"--step-seconds ({self.step_s}) and --save-seconds ({self.save_s}) must be positive, finite "
+                "and at most a week"
+            )
+        return math.ceil(self.step_s + self.save_s) + _WORKER_MARGIN_S
+
+    def stop_budget_s(self) -> int:
+        """Seconds a job needs from its stop signal to a clean exit 75, launcher included."""
+        return self.worker_stop_s() + _LAUNCHER_MARGIN_S
+
+    def check_ranks(self, cfg: Config, min_nodes: int) -> None:
+        """Refuse ranks that leave GPUs idle or share one, or a global batch that does not split over every
+        world size the job may run at (min_nodes to nodes)."""
+        if self.nproc_per_node is not None and self.gpus_per_node and self.nproc_per_node != self.gpus_per_node:
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node} with --gpus-per-node {self.gpus_per_node}: each rank "
+                "drives one GPU, so they must be equal (leave --nproc-per-node out to use the GPU count)"
+            )
+        for n in range(min_nodes, self.nodes + 1):
+            try:
+                cfg.check_world_size(n * self.procs)
+            except ConfigError as e:
+                raise ConfigError(f"at {n} node(s) x {self.procs} process(es): {e}") from None
 
 
 def load_job_config(config: str | None, overrides: Sequence[str]) -> Config:
@@ -45,20 +103,6 @@ def check_config_texts(cfg: Config) -> None:
     if cfg.run.dir is not None:
         script_text("run.dir", cfg.run.dir)
     script_text("data.dir", cfg.data.dir)
-
-
-def worker_stop_s(step_s: float, save_s: float) -> int:
-    """Seconds the workers get after a stop signal (launch --shutdown-timeout): finish a step, commit."""
-    if not all(math.isfinite(t) and 0 < t <= 7 * 24 * 3600 for t in (step_s, save_s)):
-        raise ConfigError(
-            f"--step-seconds ({step_s}) and --save-seconds ({save_s}) must be positive, finite and at most a week"
-        )
-    return math.ceil(step_s + save_s) + _WORKER_MARGIN_S
-
-
-def stop_budget_s(step_s: float, save_s: float) -> int:
-    """Seconds a job needs from its stop signal to a clean exit 75, launcher included."""
-    return worker_stop_s(step_s, save_s) + _LAUNCHER_MARGIN_S
 
 
 def check_stop_window(window_s: int, needed_s: int, what: str) -> None:
@@ -103,21 +147,3 @@ def launch_argv(
 def etcd_endpoints(flag: str, value: str | None) -> str | None:
     """The etcd members of `flag` in launch's canonical form (checked now, exit 2), or None without etcd."""
     return None if value is None else format_endpoints(parse_endpoints(flag, value))
-
-
-def check_batch_split(cfg: Config, nodes: range, nproc_per_node: int) -> None:
-    """Refuse a job whose global batch does not split over every world size it may run at."""
-    for n in nodes:
-        try:
-            cfg.check_world_size(n * nproc_per_node)
-        except ConfigError as e:
-            raise ConfigError(f"at {n} node(s) x {nproc_per_node} process(es): {e}") from None
-
-
-def check_procs_vs_gpus(nproc_per_node: int, gpus_per_node: int) -> None:
-    """Refuse a process count that leaves GPUs idle or shares one GPU between ranks."""
-    if gpus_per_node and nproc_per_node != gpus_per_node:
-        raise ConfigError(
-            f"--nproc-per-node {nproc_per_node} with --gpus-per-node {gpus_per_node}: each rank drives one GPU, "
-            "so they must be equal (leave --nproc-per-node out to use the GPU count)"
-        )

@@ -34,25 +34,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 from ddptrain.checks import script_text
 from ddptrain.cli_options import option
 from ddptrain.config import Config
+from ddptrain.endpoints import format_endpoint
 from ddptrain.errors import ConfigError
-from ddptrain.etcd_endpoints import format_endpoint, parse_endpoints
-from ddptrain.launch.jobspec import (
-    ETCD_BACKEND,
-    check_batch_split,
-    check_config_texts,
-    check_procs_vs_gpus,
-    check_stop_window,
-    launch_argv,
-    stop_budget_s,
-    worker_stop_s,
-)
+from ddptrain.etcd_endpoints import parse_endpoints
+from ddptrain.launch.jobspec import ETCD_BACKEND, JobSpec, check_config_texts, check_stop_window, launch_argv
+from ddptrain.launch.options import LaunchOptions
 from ddptrain.launch.quantities import k8s_quantity
 
 OPERATOR_VERSION = "v1.9.0"  # the Kubeflow Training Operator release whose source this follows
@@ -72,16 +65,15 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
 @dataclass(frozen=True)
-class K8sJob:
+class K8sJob(JobSpec):
     """The replicas, resources, scheduling and volumes of one PyTorchJob (each field is a `ddptrain k8s` option)."""
+
+    node: ClassVar[str] = "pod"
 
     image: str = option(None, "container image with ddptrain installed", required=True)
     name: str | None = option(None, "job name (default ddptrain-<run.name>)")
     namespace: str | None = option(None, "Kubernetes namespace")
-    nodes: int = option(1, "pods (one `ddptrain launch` each)")
     min_nodes: int | None = option(None, "elastic minimum of pods (default --nodes: not elastic)", parse=int)
-    gpus_per_node: int = option(0, "GPUs per pod (0: CPU only)")
-    nproc_per_node: int | None = option(None, "ranks per pod (default: --gpus-per-node, else 1)", parse=int)
     cpu: str | None = option(None, f"CPU request and limit per pod (default {CPU_PER_PROC} per rank)")
     memory: str | None = option(None, f"memory request and limit per pod (default {MEMORY_GI_PER_PROC}Gi per rank)")
     shm_size: str | None = option(
@@ -90,15 +82,15 @@ class K8sJob:
     pvc: str | None = option(None, "ReadWriteMany PVC holding run.dir (default <name>-runs)")
     shared_mount: str = option("/shared", "mount path of the PVC; the working directory")
     config_mount: str = option("/etc/ddptrain", "mount path of the config ConfigMap")
-    max_restarts: int = option(3, "in-pod worker-group restarts after crashes (the crash budget)")
+    max_restarts: int = option(
+        LaunchOptions.max_restarts, "in-pod worker-group restarts after crashes (the crash budget)"
+    )
     rdzv_port: int = option(29400, "rendezvous port on the master pod")
     etcd_service: str | None = option(
         None,
         "rendezvous through an existing etcd cluster instead of on the master pod: its client Service, "
         "NAME[.NAMESPACE][:PORT] (port 2379 when left out); losing any pod then leaves the others training",
     )
-    step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
-    save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
     grace_s: int | None = option(
         None, "terminationGracePeriodSeconds (default: the stop budget)", flag="--grace-seconds", parse=int
     )
@@ -114,11 +106,6 @@ class K8sJob:
     )
     queue: str | None = option(None, "Kueue LocalQueue or Volcano queue (required with --gang kueue)")
 
-    @property
-    def procs(self) -> int:
-        """Ranks per pod: as given, else one per GPU, else one."""
-        return self.nproc_per_node or self.gpus_per_node or 1
-
     def job_name(self, cfg: Config) -> str:
         """The PyTorchJob name (a DNS-1035 label as the webhook requires; Service and pod names derive from it)."""
         name = self.name or f"ddptrain-{cfg.run.name}".lower().replace("_", "-")
@@ -131,7 +118,7 @@ class K8sJob:
 
     def grace_period(self) -> int:
         """terminationGracePeriodSeconds: the given one (checked) or the stop budget."""
-        needed = stop_budget_s(self.step_s, self.save_s)
+        needed = self.stop_budget_s()
         if self.grace_s is None:
             return needed
         check_stop_window(self.grace_s, needed, "--grace-seconds")
@@ -167,9 +154,7 @@ class K8sJob:
         min_nodes = self.min_nodes or self.nodes
         if not 1 <= min_nodes <= self.nodes:
             raise ConfigError(f"--min-nodes {min_nodes} must be between 1 and --nodes {self.nodes}")
-        if self.nproc_per_node is not None:
-            check_procs_vs_gpus(self.nproc_per_node, self.gpus_per_node)
-        check_batch_split(cfg, range(min_nodes, self.nodes + 1), self.procs)
+        self.check_ranks(cfg, min_nodes)
         if not self.shared_mount.startswith("/") or not self.config_mount.startswith("/"):
             raise ConfigError("--shared-mount and --config-mount must be absolute paths")
         if not self.image.strip() or any(c.isspace() for c in self.image):
@@ -283,7 +268,7 @@ def _command(job: K8sJob, name: str, role: str) -> list[str]:
             run_id=name if multi else None,
             node_addr=node_addr if multi else None,
             max_restarts=job.max_restarts,
-            shutdown_s=worker_stop_s(job.step_s, job.save_s),
+            shutdown_s=job.worker_stop_s(),
             # The kubelet expands $(VAR) in a command and reads $$ as one $: a $ in the path stays a $.
             config_path=f"{job.config_mount}/config.yaml".replace("$", "$$"),
             preempted_exit_code=PREEMPTED_EXIT_CODE,

@@ -1,6 +1,7 @@
 """Imported once, by the fork server of `--worker-start preloaded`, and by nothing else.
 
-It makes the server hold what every worker needs (ddptrain's CLI, torch, torch._dynamo) and
+It makes the server hold what every worker needs (torch, torch._dynamo, and ddptrain's run with
+everything it builds; the CLI and its commands, a layer above launch/, are small and load in the worker) and
 ignore the stop signals the launcher handles. A scheduler signals every process of a job (SLURM
 at a time limit or `scancel`, `ip netns pids`-style kill loops); a server that died of SIGTERM
 would report all its running workers as exited (code 255) and the coordinated stop of the real
@@ -12,7 +13,7 @@ import signal
 
 import torch._dynamo  # noqa: F401  (imported by the first optimizer: ~3 s saved per worker start)
 
-import ddptrain.cli  # noqa: F401  (and with it torch and every ddptrain module a worker uses)
+import ddptrain.run  # noqa: F401  (and with it torch and every ddptrain module a training worker uses)
 
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ddptrain.config import MAX_TIMEOUT_S
 from ddptrain.errors import LaunchError
 
-WEEK_S = 7 * 24 * 3600
 # The values of is_host that torch's get_as_bool and the launcher's own reading of it agree on.
 _BOOLEANS = ("true", "false", "1", "0")
 
@@ -28,7 +28,7 @@ Spec = tuple[str | int, ...]  # ("int", low, high), ("choice", value, ...), ("fi
 
 
 def _seconds(least: int) -> Spec:
-    return ("int", least, WEEK_S)
+    return ("int", least, int(MAX_TIMEOUT_S))
 
 
 # DynamicRendezvousHandler's keys (c10d and etcd-v2), with what each may be.

@@ -29,15 +29,13 @@ from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
     EXIT_USAGE,
-    check_batch_split,
+    JobSpec,
     check_config_texts,
-    check_procs_vs_gpus,
     check_stop_window,
     etcd_endpoints,
     launch_argv,
-    stop_budget_s,
-    worker_stop_s,
 )
+from ddptrain.launch.options import LaunchOptions
 from ddptrain.launch.quantities import slurm_mem_mb
 from ddptrain.run_folder import config_file, slurm_dir
 from ddptrain.safe_files import ensure_dir, open_new_no_follow, write_text_replace
@@ -52,10 +50,9 @@ PORT_BASE, PORT_SPAN = 10000, 20000
 
 
 @dataclass(frozen=True)
-class SlurmJob:
+class SlurmJob(JobSpec):
     """The resources and policies of one sbatch job (one launcher task per node); each field is an option."""
 
-    nodes: int = option(1, "nodes (one `ddptrain launch` each)")
     min_nodes: int | None = option(
         None, "keep training while this many nodes remain (default --nodes: not elastic)", parse=int
     )
@@ -64,8 +61,6 @@ class SlurmJob:
         "rendezvous through an existing etcd cluster, HOST[:PORT],... of its members, instead of on the first "
         "node (losing that node then no longer ends the job; docs/multinode.md)",
     )
-    gpus_per_node: int = option(0, "GPUs per node (0: CPU only)")
-    nproc_per_node: int | None = option(None, "ranks per node (default: --gpus-per-node, else 1)", parse=int)
     cpus_per_node: int | None = option(
         None, f"CPUs for each node's launcher and its ranks (default {CPUS_PER_PROC} per rank)", parse=int
     )
@@ -76,21 +71,14 @@ class SlurmJob:
     job_name: str | None = option(None, "job name (default ddptrain-<run.name>)")
     signal_s: int = option(180, "USR1 this long before the time limit", flag="--signal-seconds")
     max_requeues: int = option(3, "requeues after crashes (preemptions are not counted)")
-    max_restarts: int = option(3, "in-job worker-group restarts per launch (torchrun)")
+    max_restarts: int = option(LaunchOptions.max_restarts, "in-job worker-group restarts per launch (torchrun)")
     rdzv_port: int | None = option(
         None, f"rendezvous port on the first node (default {PORT_BASE} + job id mod {PORT_SPAN})", parse=int
     )
-    step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
-    save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
     python: str = option(sys.executable, "interpreter on the nodes (default: this one)")
     extra_sbatch: tuple[str, ...] = option(
         (), "extra #SBATCH directive, e.g. --qos=high (repeatable)", flag="--sbatch-arg", repeat=True
     )
-
-    @property
-    def procs(self) -> int:
-        """Ranks per node: as given, else one per GPU, else one."""
-        return self.nproc_per_node or self.gpus_per_node or 1
 
     def cpus(self) -> int:
         """CPUs per node (one task per node, so --cpus-per-task)."""
@@ -127,11 +115,9 @@ class SlurmJob:
             raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if self.cpus_per_node is not None and self.cpus_per_node < 1:
             raise ConfigError(f"--cpus-per-node must be >= 1, got {self.cpus_per_node}")
-        if self.nproc_per_node is not None:
-            if self.nproc_per_node < 1:
-                raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node}")
-            check_procs_vs_gpus(self.nproc_per_node, self.gpus_per_node)
-        check_batch_split(cfg, range(self.min_count(), self.nodes + 1), self.procs)
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node}")
+        self.check_ranks(cfg, self.min_count())
         if self.cpus() < self.procs:
             raise ConfigError(f"--cpus-per-node {self.cpus()} is fewer than the {self.procs} ranks per node")
         if self.mem != "0":
@@ -147,7 +133,7 @@ class SlurmJob:
         for arg in self.extra_sbatch:
             if not arg.startswith("-"):
                 raise ConfigError(f"--sbatch-arg {arg!r} must be one option starting with '-'")
-        check_stop_window(self.signal_s, stop_budget_s(self.step_s, self.save_s), "--signal-seconds")
+        check_stop_window(self.signal_s, self.stop_budget_s(), "--signal-seconds")
 
 
 def check_data_dir(cfg: Config, workdir: Path) -> None:
@@ -274,7 +260,7 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
         run_id="$RDZV_ID",
         node_addr="$addr",
         max_restarts=job.max_restarts,
-        shutdown_s=worker_stop_s(job.step_s, job.save_s),
+        shutdown_s=job.worker_stop_s(),
         config_path=str(config_path),
         rdzv_backend=ETCD_BACKEND if etcd else None,
     )

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ddptrain import streams
 from ddptrain.dist import DistContext, broadcast_object
+from ddptrain.endpoints import split_host_port
 from ddptrain.errors import EXIT_FAILURE, RankFailure, UserError
 from ddptrain.observe import forensics
 from ddptrain.observe.runlog import PACKAGE_LOG
@@ -201,11 +202,13 @@ class Triage:
 
     def _check_in(self, collective: bool, what: str) -> str:
         try:
-            host, _, port = os.environ.get(TRIAGE_STORE_ENV, "").rpartition(":")
-            if not host:  # plain torchrun: the workers' own store
-                host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+            # Under plain torchrun (no such variable) the workers' own store.
+            host, port = split_host_port(os.environ.get(TRIAGE_STORE_ENV, "")) or (
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+            )
             store = dist.TCPStore(  # type: ignore[attr-defined]  # not in torch's __all__
-                host, int(port), is_master=False, timeout=timedelta(seconds=ARRIVAL_WAIT_S), wait_for_workers=False
+                host, port, is_master=False, timeout=timedelta(seconds=ARRIVAL_WAIT_S), wait_for_workers=False
             )
             keys = [f"{self._prefix}/{r}" for r in range(self.ctx.world_size)]
             # A rank that failed on its own leaves its error and goes (its peers are blocked in

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.dist import probe_store, read_torchrun_env, resolve_backend
+from ddptrain.endpoints import Endpoint, format_endpoint, split_host_port
 from ddptrain.errors import LaunchError
-from ddptrain.etcd_endpoints import ETCD_ENV, Endpoint, format_endpoint, health, parse_endpoints
+from ddptrain.etcd_endpoints import ETCD_ENV, health, parse_endpoints
 from ddptrain.observe.perf import device_name, peak_flops
 
 _ENV_VARS = (
@@ -187,7 +188,8 @@ def check_interface(endpoint: str | None = None) -> Check:
                 "FAIL",
                 f"{var}={wanted} but this host has no such interface (has {', '.join(sorted(names))})",
             )
-    addr = os.environ.get("MASTER_ADDR") or (endpoint.rpartition(":")[0] if endpoint else None)
+    given = split_host_port(endpoint) if endpoint else None
+    addr = os.environ.get("MASTER_ADDR") or (given[0] if given else None)
     if not addr:
         return Check("interface", "SKIP", f"no MASTER_ADDR or --endpoint; interfaces: {', '.join(sorted(names))}")
     what = "MASTER_ADDR" if os.environ.get("MASTER_ADDR") else "the endpoint host"
@@ -212,11 +214,11 @@ def _sync(device: torch.device) -> None:
 
 def check_endpoint(endpoint: str, timeout_s: float) -> Check:
     """A rendezvous endpoint HOST:PORT given by hand accepts TCP connections within timeout_s."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    given = split_host_port(endpoint)
+    if given is None:
         return Check("endpoint", "FAIL", f"--endpoint {endpoint!r} must look like HOST:PORT")
     t0 = time.monotonic()
-    why = probe_store(host, int(port), t0 + timeout_s)
+    why = probe_store(*given, t0 + timeout_s)
     if why is not None:
         return Check("endpoint", "FAIL", f"cannot connect to {endpoint} within {timeout_s:g}s ({why})")
     return Check("endpoint", "PASS", f"{endpoint} accepts connections ({time.monotonic() - t0:.2f}s)")
