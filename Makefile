@@ -40,12 +40,14 @@ test: venv
 test-measure: venv
 	$(PY) -m pytest -q -m measure tests
 
-# Style and types: ruff (lint + format check) on everything, mypy --strict on src/ (pyproject.toml;
-# both pinned in the dev extra so that the format check means the same everywhere).
+# Style, types and layers: ruff (lint + format check) on everything, mypy --strict on src/, and
+# import-linter's contracts (the layers, no import circle; pyproject.toml). All pinned in the dev extra,
+# so that each check means the same everywhere.
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 format: venv
 	$(VENV)/bin/ruff check --fix src tests bench examples
