@@ -6,6 +6,7 @@ keeps a server's state in memory; `down` makes every call raise, like an unreach
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import threading
@@ -237,3 +238,16 @@ def test_config_of_trackers() -> None:
         "train.betas": [0.9, 0.95],
         "model.kwargs": {},
     }
+
+
+def test_the_config_offers_exactly_the_registered_trackers() -> None:
+    """A tracker is its module plus one line in TRACKERS; `log.trackers` must offer the same names."""
+    import typing
+
+    from ddptrain.config import LogConfig
+    from ddptrain.observe.trackers import TRACKERS
+
+    (literal,) = typing.get_args(LogConfig.model_fields["trackers"].annotation)
+    assert set(typing.get_args(literal)) == set(TRACKERS)
+    for kind in TRACKERS.values():  # each registered module exists and has its builder
+        assert callable(importlib.import_module(f"ddptrain.observe.trackers.{kind.module}").build)

@@ -9,10 +9,13 @@ so that a slow or unreachable tracker never blocks or fails training. run.dir/tr
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import platform
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,12 +23,29 @@ from ddptrain.config import Config, LogConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.observe.trackers.background import BackgroundTracker, Backlog
-from ddptrain.observe.trackers.base import Sink, StartInfo, Tracker, flatten
+from ddptrain.observe.trackers.base import Sink, StartInfo, flatten
 from ddptrain.observe.trackers.state import TrackerState
 from ddptrain.run_folder import metrics_file
 
-# Tracker name -> (the module it imports, the pip extra that installs it).
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+
+@dataclass(frozen=True)
+class TrackerKind:
+    """Where a tracker lives: its module here, which has `build(cfg, state)`, imported only when the config
+    asks for it (the package it needs is an extra); `remote`: built as a Tracker and run behind a
+    BackgroundTracker, else a Sink written in the training thread."""
+
+    module: str
+    package: str
+    extra: str
+    remote: bool
+
+
+# Every tracker, one line each; `log.trackers`' Literal in config.py lists the same names (a test checks).
+TRACKERS = {
+    "tensorboard": TrackerKind("tensorboard_sink", "tensorboard", "tensorboard", remote=False),
+    "mlflow": TrackerKind("mlflow_tracker", "mlflow", "mlflow", remote=True),
+    "wandb": TrackerKind("wandb_tracker", "wandb", "wandb", remote=True),
+}
 
 
 def tracker_names(log: LogConfig) -> list[str]:
@@ -42,11 +62,11 @@ def require_packages(log: LogConfig) -> None:
     Every rank calls this before any collective, so that all of them stop, not only rank 0.
     """
     for name in tracker_names(log):
-        module, extra = PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
+        kind = TRACKERS[name]
+        if importlib.util.find_spec(kind.package) is None:
             raise ConfigError(
-                f"log.trackers asks for {name}, but the {module} package is not installed: "
-                f"pip install 'ddptrain[{extra}]'"
+                f"log.trackers asks for {name}, but the {kind.package} package is not installed: "
+                f"pip install 'ddptrain[{kind.extra}]'"
             )
 
 
@@ -55,12 +75,8 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
     names = tracker_names(cfg.log)
     if not ctx.is_main or not names:
         return []
-    sinks: list[Sink] = []
-    if "tensorboard" in names:
-        from ddptrain.observe.trackers.tensorboard_sink import TensorBoardSink
-
-        sinks.append(TensorBoardSink(cfg.run_dir))
-    remote = [n for n in names if n != "tensorboard"]
+    sinks: list[Sink] = [_build(name, cfg, None) for name in names if not TRACKERS[name].remote]
+    remote = [name for name in names if TRACKERS[name].remote]
     if not remote:
         return sinks
     # ckpt.resume=never retrains from scratch in the same folder: that is a new tracker run too.
@@ -78,7 +94,7 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
     jsonl = metrics_file(cfg.run_dir)
     backlog_bytes = jsonl.stat().st_size if jsonl.is_file() and not fresh else 0
     for name in remote:
-        tracker = _tracker(name, cfg, state)
+        tracker = _build(name, cfg, state)
         sinks.append(
             BackgroundTracker(
                 tracker,
@@ -94,28 +110,10 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
     return sinks
 
 
-def _tracker(name: str, cfg: Config, state: TrackerState) -> Tracker:
-    log = cfg.log
-    if name == "mlflow":
-        from ddptrain.observe.trackers.mlflow_tracker import MLflowTracker
-
-        key, known = state.run_key("mlflow")  # stored before MLflow is called: see state.py
-        return MLflowTracker(
-            log.mlflow_tracking_uri,
-            log.mlflow_experiment,
-            key,
-            known,
-            lambda run_id: state.set_run_id("mlflow", run_id),
-        )
-    from ddptrain.observe.trackers.wandb_tracker import WandbTracker
-
-    return WandbTracker(
-        log.wandb_project,
-        log.wandb_entity,
-        log.wandb_mode,
-        cfg.run_dir,
-        lambda run_id: state.set_run_id("wandb", run_id),
-    )
+def _build(name: str, cfg: Config, state: TrackerState | None) -> Any:
+    """The tracker (or sink) `name` for this run; its module is imported here, when it is asked for."""
+    module = importlib.import_module(f"{__name__}.{TRACKERS[name].module}")
+    return module.build(cfg, state)
 
 
 def system_info(ctx: DistContext) -> dict[str, str]:

@@ -19,7 +19,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddptrain.config import Config
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
+from ddptrain.observe.trackers.state import TrackerState
+
+
+def build(cfg: Config, state: TrackerState | None) -> MLflowTracker:
+    """The MLflow tracker of a run: one MLflow run per run folder, its id kept in state."""
+    assert state is not None  # a remote tracker always has the run folder's tracker state
+    key, known = state.run_key("mlflow")  # stored before MLflow is called: see state.py
+    return MLflowTracker(
+        cfg.log.mlflow_tracking_uri,
+        cfg.log.mlflow_experiment,
+        key,
+        known,
+        lambda run_id: state.set_run_id("mlflow", run_id),
+    )
+
 
 # A run's terminal MLflow status for each way an attempt ends (observe/endings.py; "failed": it
 # never started training). A resume sets the run RUNNING again.

@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ddptrain.config import Config
 from ddptrain.observe.endings import describe, is_end_record
 from ddptrain.observe.trackers.base import _is_number
+from ddptrain.observe.trackers.state import TrackerState
 from ddptrain.run_folder import tensorboard_dir
+
+
+def build(cfg: Config, state: TrackerState | None) -> TensorBoardSink:
+    """The TensorBoard sink of a run (local files: no tracker state)."""
+    return TensorBoardSink(cfg.run_dir)
 
 
 class TensorBoardSink:

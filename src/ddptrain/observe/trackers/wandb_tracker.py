@@ -13,7 +13,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddptrain.config import Config
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
+from ddptrain.observe.trackers.state import TrackerState
+
+
+def build(cfg: Config, state: TrackerState | None) -> WandbTracker:
+    """The W&B tracker of a run: one W&B run per run folder, its id kept in state."""
+    assert state is not None  # a remote tracker always has the run folder's tracker state
+    log = cfg.log
+    return WandbTracker(
+        log.wandb_project,
+        log.wandb_entity,
+        log.wandb_mode,
+        cfg.run_dir,
+        lambda run_id: state.set_run_id("wandb", run_id),
+    )
+
 
 # The exit code each way an attempt ends (observe/endings.py) means; the run's summary has the details.
 EXIT_CODE = {"completed": 0, "interrupted": 130, "preempted": 75, "stopped": 1, "crashed": 1, "failed": 1}
