@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import env_for_subprocess
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
 from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
@@ -18,8 +19,6 @@ from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError
-
-from helpers import env_for_subprocess
 
 
 def make(run_dir: Path, **cfg: object) -> Checkpointer:

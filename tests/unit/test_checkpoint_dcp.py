@@ -33,7 +33,11 @@ def save(folder: Path, model: dict[str, torch.Tensor] | None = None) -> Verified
     """What one rank's dcp save writes (model_state() unless given), committed by hand (plain folder + manifest)."""
     folder.mkdir(parents=True)
     writer = DcpWriter()
-    shared: dict[str, Any] = {"model": model_state() if model is None else model, "optimizer": {}, "trainer": {"step": 1}}
+    shared: dict[str, Any] = {
+        "model": model_state() if model is None else model,
+        "optimizer": {},
+        "trainer": {"step": 1},
+    }
     files: dict[str, FileEntry] = writer.write(folder, 0, 1, shared, {"rng": {"rank": 0}}, DEFAULT_HASH)
     assert {DCP_METADATA, "__0_0.distcp", "trainer.pt", "rng-rank0.pt"} <= files.keys()
     manifest = Manifest(1, 1, "t" * 32, writer.name, 0.0, files, {}, {}, DEFAULT_HASH)
