@@ -60,7 +60,7 @@ class _Bench:
         t0 = time.perf_counter()
         ckpt.save(self.n, self.trainer.state_dict(), {"rng": rng_state()})  # what Trainer.save_checkpoint does
         blocked = time.perf_counter() - t0
-        ckpt.wait()
+        ckpt.wait()  # untimed; also joins the prune behind the commit, so it never overlaps the next variant
         (result,) = ckpt.finished()
         assert result.ok and result.path is not None, result.error
         if ckpt is self.sync:

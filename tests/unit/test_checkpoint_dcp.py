@@ -29,11 +29,15 @@ def model_state() -> dict[str, torch.Tensor]:
     return {"a.weight": torch.randn(6, 4, generator=g), "b.bias": torch.randn(5, generator=g)}
 
 
-def save(folder: Path) -> VerifiedCheckpoint:
-    """What one rank's dcp save writes, committed by hand (plain folder + manifest)."""
-    folder.mkdir()
+def save(folder: Path, model: dict[str, torch.Tensor] | None = None) -> VerifiedCheckpoint:
+    """What one rank's dcp save writes (model_state() unless given), committed by hand (plain folder + manifest)."""
+    folder.mkdir(parents=True)
     writer = DcpWriter()
-    shared: dict[str, Any] = {"model": model_state(), "optimizer": {}, "trainer": {"step": 1}}
+    shared: dict[str, Any] = {
+        "model": model_state() if model is None else model,
+        "optimizer": {},
+        "trainer": {"step": 1},
+    }
     files: dict[str, FileEntry] = writer.write(folder, 0, 1, shared, {"rng": {"rank": 0}}, DEFAULT_HASH)
     assert {DCP_METADATA, "__0_0.distcp", "trainer.pt", "rng-rank0.pt"} <= files.keys()
     manifest = Manifest(1, 1, "t" * 32, writer.name, 0.0, files, {}, {}, DEFAULT_HASH)
@@ -47,6 +51,21 @@ def test_a_dcp_checkpoint_consolidates_exactly_in_one_process(tmp_path: Path) ->
     assert got.keys() == model_state().keys()
     assert all(torch.equal(got[k], v) for k, v in model_state().items())
     assert ckpt.state("trainer") == {"step": 1}
+
+
+def test_dcp_saves_with_cached_plans_hold_each_saves_own_state(tmp_path: Path) -> None:
+    # DCP's plans are cached across saves in a process: the same shapes reuse them (with the new values), a
+    # changed state is planned again, and going back to the first shapes still writes what is saved now.
+    g = torch.Generator().manual_seed(4)
+    states = [
+        model_state(),
+        {"a.weight": torch.randn(3, 3, generator=g), "c.weight": torch.randn(7, generator=g)},
+        {k: v + 1 for k, v in model_state().items()},
+        {k: v * 2 for k, v in model_state().items()},
+    ]
+    for i, state in enumerate(states):
+        got = save(tmp_path / str(i) / "step", state).state("model")
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])

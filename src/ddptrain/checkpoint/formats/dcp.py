@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -59,6 +60,12 @@ def _one_process_is_meant() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+class _CachedSavePlans(DefaultSavePlanner):
+    """DCP's default save planner with its plans cached: a run saves the same shapes every time, so from the
+    second save on the ranks send the coordinator empty plans and reuse the global plan (a changed state is
+    planned again). torch keys the cache by the planner's class name: this class keeps ddptrain's apart."""
 
 
 class HashingFiles(FileSystem):
@@ -182,7 +189,13 @@ class DcpWriter(CheckpointFormat):
         writer.fs = files
         sharded = {k: shared[k] for k in SHARDED_KEYS}
         with _one_process_is_meant():
-            metadata = dcp_save(sharded, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+            metadata = dcp_save(
+                sharded,
+                storage_writer=writer,
+                planner=_CachedSavePlans(enable_plan_caching=True),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
         # The files DCP says this rank wrote (`__<rank>_*`), hashed while DCP wrote (and fsynced) them.
         written = {info.relative_path for info in metadata.storage_data.values()}
         mine = sorted(n for n in written if n.startswith(f"__{rank}_"))
