@@ -56,6 +56,7 @@ def plan_by_size(sizes: dict[str, int], private: dict[str, int], unused: set[str
     partition() of their sizes, so every rank reads about 1/world_size of the bytes."""
     rest = sorted(n for n in sizes if n not in private)
     owner = {n: r for n, r in private.items() if n in sizes}
+    alone = frozenset(owner)
     for rank, indices in enumerate(partition([sizes[n] for n in rest], world_size)):
         owner.update({rest[i]: rank for i in indices})
-    return LoadPlan(owner, frozenset(n for n in rest if n not in unused), frozenset(owner))
+    return LoadPlan(owner, frozenset(n for n in rest if n not in unused), alone)
