@@ -6,8 +6,11 @@ step; identical on both ranks, as under DDP). Interleaved rounds, the order alte
 - async save, both writers: the time the loop is blocked (the slowest rank's), then waited for untimed;
 - verified load (read, hash, restore into the model and optimizer) of the newest sharded and
   rank0-torch checkpoints vs torch.load + restore of one torch.save file of the same state: on both
-  ranks at once (a 2-rank resume) and on rank 0 alone while rank 1 waits (one process: export,
-  a resume at world size 1).
+  ranks at once (a 2-rank resume: the shared load, each rank reading and verifying half of the files
+  and receiving the rest over gloo; and, as before it, every rank verifying every file) and on rank 0
+  alone while rank 1 waits (one process: export, a resume at world size 1);
+- bytes read from storage per resume (every rank's HashingReader count, summed) / the checkpoint's
+  size, shared load vs every rank reading every file, at 2 ranks and (a second job) at 4.
 - FSDP: the same model fully_shard-ed over the 2 ranks (each holds half of the state), saved with
   the dcp writer (sync, and async blocked time) and verified-loaded into the sharded model, vs the
   sharded writer's DDP figures above.
@@ -31,7 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from bench.common import Options, Row, Variant, interleave, run_job, summary
-from ddptrain.checkpoint import Checkpointer, verify_checkpoint
+from ddptrain.checkpoint import Checkpointer, VerifiedCheckpoint, verify_checkpoint
+from ddptrain.checkpoint.hashing_reader import bytes_read
+from ddptrain.checkpoint.shared_load import load_shared
+from ddptrain.checkpoint.verify import read_manifest
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
 from ddptrain.models.gpt import GPT, Block
@@ -42,13 +48,14 @@ WRITER_NAMES = ("sharded", "rank0-torch")
 class _Worker:
     """Both ranks: the state, one Checkpointer per writer and mode, and the timed variants."""
 
-    def __init__(self, ctx: DistContext, folder: Path, large: bool) -> None:
+    def __init__(self, ctx: DistContext, folder: Path, large: bool, fsdp: bool = True) -> None:
         self.ctx, self.folder, self.n = ctx, folder, 0
         self.model, self.opt = self._trained(large, sharded=False)
-        self.fsdp, self.fsdp_opt = self._trained(large, sharded=True)
+        if fsdp:
+            self.fsdp, self.fsdp_opt = self._trained(large, sharded=True)
         self.dcp = {
             a: Checkpointer(CkptConfig(async_save=a, keep=2, format="dcp"), folder / f"dcp-{a}", ctx, {})
-            for a in (False, True)
+            for a in ((False, True) if fsdp else ())
         }
         self.ckpts = {
             (w, a): Checkpointer(
@@ -101,10 +108,10 @@ class _Worker:
         return self.slowest(seconds)
 
     def load_dcp(self) -> float:
-        """Both ranks: verify the newest dcp checkpoint and restore it (into the sharded model and optimizer, in place)."""
+        """Both ranks: shared-load the newest dcp checkpoint and restore it (into the sharded model and optimizer)."""
 
         def work() -> None:
-            ckpt = verify_checkpoint(self.newest["dcp"])
+            ckpt = self.verified("dcp", shared=True)
             self.dcp[False].restore(ckpt, self.fsdp, self.fsdp_opt)
 
         return self._timed_load(work, 2)
@@ -135,13 +142,27 @@ class _Worker:
         self.model.load_state_dict(shared["model"])
         self.opt.load_state_dict(shared["optimizer"])
 
-    def load_verified(self, writer: str, ranks: int) -> float:
+    def verified(self, writer: str, shared: bool) -> VerifiedCheckpoint:
+        """The newest checkpoint of writer: shared-loaded by every rank, or verified whole by this rank."""
+        path = self.newest[writer]
+        return load_shared(path, self.ctx.rank, self.ctx.world_size, None) if shared else verify_checkpoint(path)
+
+    def load_verified(self, writer: str, ranks: int, shared: bool = False) -> float:
         def work() -> None:
-            ckpt = verify_checkpoint(self.newest[writer])
-            shared, _ = ckpt.writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
-            self.restore(shared)
+            ckpt = self.verified(writer, shared)
+            state, _ = ckpt.writer.read(ckpt, self.ctx.rank, self.ctx.world_size)
+            self.restore(state)
 
         return self._timed_load(work, ranks)
+
+    def read_per_resume(self, writer: str, shared: bool) -> float:
+        """Bytes every rank together read from storage for one resume (not timed), / the checkpoint's size."""
+        before = bytes_read()
+        self.load_verified(writer, self.ctx.world_size, shared)
+        total = torch.tensor([bytes_read() - before], dtype=torch.float64)
+        dist.all_reduce(total)
+        size = sum(e.size for e in read_manifest(self.newest[writer]).files.values())
+        return float(total) / size
 
     def load_torch(self, ranks: int) -> float:
         def work() -> None:
@@ -179,12 +200,37 @@ def worker(out: Path, folder: Path, rounds: int, warmup: int, large: bool) -> No
     }
     for ranks in (2, 1):
         variants[f"torch.load x{ranks}"] = lambda r=ranks: w.load_torch(r)  # type: ignore[misc]
-        for writer in WRITER_NAMES:
-            variants[f"{writer} load x{ranks}"] = lambda wr=writer, r=ranks: w.load_verified(wr, r)  # type: ignore[misc]
+        for writer in WRITER_NAMES:  # two ranks resume with the shared load; one process verifies all
+            variants[f"{writer} load x{ranks}"] = lambda wr=writer, r=ranks: w.load_verified(wr, r, r > 1)  # type: ignore[misc]
+    for writer in WRITER_NAMES:  # before the shared load: both ranks verify every file
+        variants[f"{writer} load x2 all"] = lambda wr=writer: w.load_verified(wr, 2)  # type: ignore[misc]
     times = interleave(variants, Options(rounds=rounds, warmup=warmup))
+    read = _bytes_rows(w)
     if ctx.is_main:
         sizes = {p.name: sum(f.stat().st_size for f in p.iterdir()) for p in w.newest.values()}
-        out.write_text(json.dumps({"seconds": times, "state_bytes": w.file.stat().st_size, "checkpoint_bytes": sizes}))
+        out.write_text(
+            json.dumps(
+                {"seconds": times, "state_bytes": w.file.stat().st_size, "checkpoint_bytes": sizes, "read": read}
+            )
+        )
+    close_distributed(ctx)
+
+
+def _bytes_rows(w: _Worker) -> dict[str, float]:
+    """Bytes read per resume / checkpoint size, shared load and every rank reading all, per writer."""
+    return {f"{wr} {how}": w.read_per_resume(wr, how == "shared") for wr in WRITER_NAMES for how in ("shared", "all")}
+
+
+def bytes_worker(out: Path, folder: Path, large: bool) -> None:
+    """Inside torchrun at any world size: one save per writer, then the bytes each way of resuming reads."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(DistConfig(timeout_s=300))
+    w = _Worker(ctx, folder, large, fsdp=False)
+    for writer in WRITER_NAMES:
+        w.save(writer, False)
+    read = _bytes_rows(w)
+    if ctx.is_main:
+        out.write_text(json.dumps({"read": read, "world_size": ctx.world_size}))
     close_distributed(ctx)
 
 
@@ -192,23 +238,54 @@ def _ratio(t: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
     return summary([a / b for a, b in zip(t[num], t[den])])
 
 
-def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
-    """Launch the 2-rank job; ratios per round."""
-    folder = opts.work_dir / "checkpoint-ranks"
+def _launch(opts: Options, name: str, nproc: int, extra: list[str]) -> dict[str, Any]:
+    """Run one job of this module under torchrun into a fresh folder; its JSON."""
+    folder = opts.work_dir / name
     shutil.rmtree(folder, ignore_errors=True)  # keep= would prune by another run's step numbers
     folder.mkdir(parents=True)
-    out = opts.work_dir / "checkpoint-ranks.json"
-    args = ["--out", str(out), "--folder", str(folder), "--rounds", str(opts.rounds), "--warmup", str(opts.warmup)]
-    run_job(
-        Variant("checkpoint-ranks", "bench.checkpoint_ranks", [*args, *([] if opts.smoke else ["--large"])], nproc=2),
-        opts.work_dir / "checkpoint-ranks.log",
-    )
-    data = json.loads(out.read_text())
+    out = opts.work_dir / f"{name}.json"
+    args = ["--out", str(out), "--folder", str(folder), *extra, *([] if opts.smoke else ["--large"])]
+    run_job(Variant(name, "bench.checkpoint_ranks", args, nproc=nproc), opts.work_dir / f"{name}.log")
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
+    """Launch the 2-rank job (timed, interleaved) and the 4-rank job (bytes read only); ratios per round."""
+    data = _launch(opts, "checkpoint-ranks", 2, ["--rounds", str(opts.rounds), "--warmup", str(opts.warmup)])
+    four = _launch(opts, "checkpoint-ranks-4", 4, ["--bytes-only"])
     t = data["seconds"]
     ms = {k: summary(v)["median"] * 1000 for k, v in t.items()}
-    mb = data["state_bytes"] / 1e6
+    rows = [*_save_rows(t, ms, data["state_bytes"] / 1e6), *_load_rows(t, ms)]
+    for what, num, den in (
+        ("sync save time, dcp (FSDP shards) / sharded (DDP)", "dcp sync", "sharded sync"),
+        ("async blocked time, dcp / sharded", "dcp async", "sharded async"),
+        ("verified load time, dcp into FSDP / sharded into DDP, both ranks", "dcp load x2", "sharded load x2"),
+    ):
+        r = _ratio(t, num, den)
+        rows.append(
+            Row("checkpoint (2 ranks)", what, r, "x", "reported", None, f"{ms[num]:.0f} ms vs {ms[den]:.0f} ms")
+        )
+    for world, read in ((2, data["read"]), (4, four["read"])):
+        for writer in WRITER_NAMES:
+            shared, every = read[f"{writer} shared"], read[f"{writer} all"]
+            rows.append(
+                Row(
+                    f"checkpoint ({world} ranks)",
+                    f"bytes read from storage per resume / checkpoint size, {writer}, shared load",
+                    summary([shared]),
+                    "x",
+                    "= 1",
+                    abs(shared - 1) < 1e-9,
+                    f"every rank reading every file: {every:.2f}x",
+                )
+            )
+    return rows, {**data, "read_4_ranks": four}
+
+
+def _save_rows(t: dict[str, list[float]], ms: dict[str, float], mb: float) -> list[Row]:
     sync, blocked = _ratio(t, "rank0 sync", "sharded sync"), _ratio(t, "sharded async", "rank0 async")
-    rows = [
+    return [
         Row(
             "checkpoint (2 ranks)",
             f"sync save speed, sharded vs rank0-torch ({mb:.0f} MB state)",
@@ -228,9 +305,20 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             f"sharded {ms['sharded async']:.0f} ms, rank0-torch {ms['rank0 async']:.0f} ms",
         ),
     ]
-    for ranks, who in ((2, "both ranks at once"), (1, "rank 0 alone")):
+
+
+def _load_rows(t: dict[str, list[float]], ms: dict[str, float]) -> list[Row]:
+    rows = []
+    for ranks, suffix, who in (
+        (2, "", "both ranks at once (shared load)"),
+        (2, " all", "both ranks at once, each verifying every file (before)"),
+        (1, "", "rank 0 alone"),
+    ):
         for writer, target in (("sharded", "<= 1.1"), ("rank0-torch", "reported")):
-            r = _ratio(t, f"{writer} load x{ranks}", f"torch.load x{ranks}")
+            target = target if suffix == "" else "reported"
+            name, base = f"{writer} load x{ranks}{suffix}", f"torch.load x{ranks}"
+            r = _ratio(t, name, base)
+            met = r["median"] <= 1.1 if target != "reported" else None
             rows.append(
                 Row(
                     "checkpoint (2 ranks)",
@@ -238,20 +326,11 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
                     r,
                     "x",
                     target,
-                    r["median"] <= 1.1 if target != "reported" else None,
-                    f"{ms[f'{writer} load x{ranks}']:.0f} ms vs {ms[f'torch.load x{ranks}']:.0f} ms",
+                    met,
+                    f"{ms[name]:.0f} ms vs {ms[base]:.0f} ms",
                 )
             )
-    for what, num, den in (
-        ("sync save time, dcp (FSDP shards) / sharded (DDP)", "dcp sync", "sharded sync"),
-        ("async blocked time, dcp / sharded", "dcp async", "sharded async"),
-        ("verified load time, dcp into FSDP / sharded into DDP, both ranks", "dcp load x2", "sharded load x2"),
-    ):
-        r = _ratio(t, num, den)
-        rows.append(
-            Row("checkpoint (2 ranks)", what, r, "x", "reported", None, f"{ms[num]:.0f} ms vs {ms[den]:.0f} ms")
-        )
-    return rows, data
+    return rows
 
 
 def main() -> None:
@@ -259,11 +338,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--folder", type=Path, required=True)
-    p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--large", action="store_true")
+    p.add_argument("--bytes-only", action="store_true", help="only the bytes each way of resuming reads")
     a = p.parse_args()
-    worker(a.out, a.folder, a.rounds, a.warmup, a.large)
+    if a.bytes_only:
+        bytes_worker(a.out, a.folder, a.large)
+    else:
+        worker(a.out, a.folder, a.rounds, a.warmup, a.large)
 
 
 if __name__ == "__main__":

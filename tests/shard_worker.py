@@ -2,22 +2,30 @@
 
 save RUN_DIR: a tiny GPT and AdamW after one step, saved asynchronously (each rank snapshots and
 writes its share) as step 1; rank 0 keeps that state in RUN_DIR/reference.pt. Another state is
-saved as step 2, and one byte of one of rank 1's parts of it is flipped. Then it loads as below:
-step 2 must be rejected and every rank must get step 1.
+saved as step 2, and one byte of a part of it that only rank 1 reads at a 2-rank resume is flipped
+(its name goes to RUN_DIR/flipped.txt). Then it loads as below: step 2 must be rejected and every
+rank must get step 1.
 load RUN_DIR: a differently seeded model and optimizer resume from the newest checkpoint; rank r
-writes RUN_DIR/loaded-<world>-rank<r>.json: whether every parameter and optimizer tensor equals
-the saved one, the manifest's writer and world size, and whether this rank got its RNG state back.
+writes RUN_DIR/loaded-<mode>-<world>-rank<r>.json: whether every parameter and optimizer tensor
+equals the saved one, the manifest's writer and world size, whether this rank got its RNG state
+back, and the bytes it read from checkpoint files.
+die RUN_DIR: as load, but rank 1 exits (os._exit, no cleanup) in the middle of the exchange of
+verified files: no rank may write its loaded file, and the job must fail.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from ddptrain.checkpoint import Checkpointer
+import ddptrain.checkpoint.shared_load as shared_load
+from ddptrain.checkpoint import Checkpointer, VerifiedCheckpoint
+from ddptrain.checkpoint.hashing_reader import bytes_read
+from ddptrain.checkpoint.verify import checked_manifest
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
 from ddptrain.models.gpt import GPT
@@ -49,21 +57,45 @@ def main() -> None:
             assert result.ok, result.error
             if ctx.is_main and step == 1:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, run_dir / "reference.pt")
-        if ctx.rank == 1:  # corrupt rank 1's own share of step 2, after the commit
-            part = run_dir / "checkpoints" / "step-00000002" / "tensors-3-of-4.bin"
-            data = bytearray(part.read_bytes())
-            data[-5] ^= 0x04
-            part.write_bytes(bytes(data))
+        if ctx.rank == 1:  # corrupt a part that only rank 1 reads at a 2-rank resume, after the commit
+            flip_in_share(run_dir / "checkpoints" / "step-00000002", run_dir / "flipped.txt", rank=1, world=2)
         torch.distributed.barrier()
-    load(ctx, run_dir)  # a new Checkpointer, as a restarted run builds
+    if mode == "die" and ctx.rank == 1:
+        die_in_exchange()
+    load(ctx, run_dir, mode)  # a new Checkpointer, as a restarted run builds
     close_distributed(ctx)
 
 
-def load(ctx: DistContext, run_dir: Path) -> None:
+def flip_in_share(folder: Path, note: Path, rank: int, world: int) -> None:
+    """Flip one byte of a tensor part that `rank` alone reads and verifies when `world` ranks resume."""
+    manifest = checked_manifest(folder)
+    plan = VerifiedCheckpoint(folder, manifest).writer.load_plan(manifest, world)
+    name = next(n for n in plan.reads(rank) if n.startswith("tensors-"))
+    data = bytearray((folder / name).read_bytes())
+    data[-5] ^= 0x04
+    (folder / name).write_bytes(bytes(data))
+    note.write_text(name)
+
+
+def die_in_exchange() -> None:
+    """This rank exits at its second broadcast of verified files (a rank lost during the exchange)."""
+    real, calls = shared_load.broadcast_buffers, [0]
+
+    def dying(*args: object) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            os._exit(17)
+        real(*args)  # type: ignore[arg-type]
+
+    shared_load.broadcast_buffers = dying  # type: ignore[assignment]
+
+
+def load(ctx: DistContext, run_dir: Path, mode: str) -> None:
     """Resume a differently seeded model and optimizer; note whether they now equal the saved ones."""
-    ckpt = Checkpointer(CkptConfig(), run_dir, ctx, {"note": "shard"})
+    ckpt = Checkpointer(CkptConfig(timeout_s=30), run_dir, ctx, {"note": "shard"})
     ckpt.setup()
     model, opt = trained(seed=2)
+    before = bytes_read()
     point = ckpt.find_resume(print)
     assert point is not None
     shared, local = ckpt.read(point.checkpoint)
@@ -80,8 +112,9 @@ def load(ctx: DistContext, run_dir: Path) -> None:
         "writer": point.checkpoint.manifest.writer,
         "saved_world": point.checkpoint.manifest.world_size,
         "rng": local["rng"] if local else None,
+        "bytes_read": bytes_read() - before,
     }
-    (run_dir / f"loaded-{ctx.world_size}-rank{ctx.rank}.json").write_text(json.dumps(out))
+    (run_dir / f"loaded-{mode}-{ctx.world_size}-rank{ctx.rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

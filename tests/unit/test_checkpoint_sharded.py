@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from ddptrain.checkpoint import Checkpointer, verify_checkpoint
 from ddptrain.checkpoint.digests import DEFAULT_HASH, new_hasher
+from ddptrain.checkpoint.exchange import allocate, describe, flatten, rebuild
 from ddptrain.checkpoint.formats.sharded import STRUCTURE, ShardedWriter, part_name, partition
 from ddptrain.checkpoint.manifest import FileEntry, Manifest, manifest_checksum
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
@@ -87,6 +88,29 @@ def test_any_world_size_reads_any_partition(tmp_path: Path, world: int) -> None:
         assert_same(shared, shared_state(4))
         assert shared["model"]._metadata == {"": {"version": 1}}  # load_state_dict's versions survive
         assert local == ({"rng": {"rank": 0}} if reader_world == world else None)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_shared_load_plan_gives_every_file_one_reader_and_every_rank_a_fair_share(tmp_path: Path, world: int) -> None:
+    ckpt = save_as_ranks(tmp_path / "step-00000001", world, seed=4)
+    sizes = {name: entry.size for name, entry in ckpt.manifest.files.items()}
+    for reader_world in (1, 2, 5):
+        plan = ShardedWriter().load_plan(ckpt.manifest, reader_world)
+        reads = [plan.reads(r) for r in range(reader_world)]
+        assert sorted(n for names in reads for n in names) == sorted(sizes)  # every file read once, by one rank
+        rng = {f"rng-rank{r}.pt" for r in range(world)}
+        assert plan.private == (rng if reader_world == world else set())  # a rank's own RNG stays with it
+        assert plan.shared == set(sizes) - rng  # structure and parts reach every rank; other RNGs no one
+        if reader_world == world:
+            assert all(f"rng-rank{r}.pt" in plan.keeps(r) for r in range(world))
+        spread = [sum(sizes[n] for n in names if n not in plan.private) for names in reads]
+        assert max(spread) - min(spread) <= max(sizes.values())  # the greedy partition, over files
+        for name in plan.shared:  # what travels: the decoded content, rebuilt from its buffers
+            structure, buffers = flatten(ckpt.content(name))
+            assert_same(rebuild(structure, buffers), ckpt.content(name))
+            assert [tuple(b.shape) for b in allocate(describe(buffers)) if isinstance(b, torch.Tensor)] == [
+                tuple(b.shape) for b in buffers if isinstance(b, torch.Tensor)
+            ]
 
 
 def test_checkpointer_saves_sharded_by_default_sync_equals_async(tmp_path: Path) -> None:

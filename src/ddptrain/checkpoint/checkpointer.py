@@ -18,8 +18,9 @@ writes the manifest, fsyncs the folder, renames it to `step-00000100` (atomic on
 the parent. A crash at any point leaves either the
 old set of committed checkpoints or the new one. Pruning follows a commit (in a thread of its own,
 joined by the next save and by wait()) and touches only the current timeline (store.py). Resume
-verifies and reads in one pass (verify.py), checks the config (compat.py), and moves checkpoints
-newer than its starting point into checkpoints/archive/.
+verifies and reads in one pass (verify.py; several ranks each verify about 1/W and exchange the
+rest, shared_load.py), checks the config (compat.py), and moves checkpoints newer than its starting
+point into checkpoints/archive/.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ddptrain.checkpoint.manifest import (
     step_of,
 )
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
+from ddptrain.checkpoint.shared_load import SharedLoad
 from ddptrain.checkpoint.store import archive, committed_checkpoints, prune, search
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, verify_checkpoint
 from ddptrain.config import CkptConfig
@@ -306,52 +308,56 @@ class Checkpointer:
     def find_resume(self, warn: Callable[[str], None]) -> ResumePoint | None:
         """The checkpoint to resume from by ckpt.resume, verified and config-checked; None to start fresh.
 
-        Rank 0 decides and every rank receives its decision, so all ranks load the same one.
+        Rank 0 decides and every rank receives its decision, so all ranks load the same one. Several
+        ranks verify it together (shared_load.py: each reads about 1/W of it) and then receive the rest
+        from the ranks that verified it; one process verifies every file itself.
         """
-        decision: tuple[Any, ...] = (None, None, [], self.timeline, None)
-        found: ResumePoint | None = None
-        ahead: VerifiedCheckpoint | None = None
+        if not self.ctx.is_distributed:
+            found = self._choose(warn)
+            if found is not None:
+                self.policy.newest_committed = found.checkpoint.step
+            return found
+        loader = SharedLoad(self.ctx.rank, self.ctx.world_size, self._group)
+        candidates: list[Path] = []
+        existing: list[Path] = []
+        error: str | None = None
         if self.ctx.is_main:
             try:
-                found = self._choose(warn)
-                decision = (
-                    (str(found.checkpoint.path), found.checkpoint.manifest, found.changes, self.timeline, None)
-                    if found
-                    else (None, None, [], self.timeline, None)
-                )
+                candidates, existing = self._candidates(warn)
             except CheckpointError as e:
-                decision = (None, None, [], self.timeline, str(e))
-        else:
-            ahead = self._read_ahead()
-        if self.ctx.is_distributed:
-            box = [decision]
-            dist.broadcast_object_list(box, src=0)
-            decision = box[0]
-        path, manifest, changes, self.timeline, error = decision
+                error = str(e)  # every rank learns it with the decision below
+        ckpt, failure = loader.search(candidates, warn, named=self.cfg.resume not in ("auto", "never"))
+        decision: tuple[Any, ...] = (None, None, [], self.timeline, None)
+        if self.ctx.is_main:
+            decision = self._decide(ckpt, error or failure, candidates, existing, warn)
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        path, manifest, changes, self.timeline, error = box[0]
         if error:
             raise CheckpointError(error)
-        if path is None:
+        if path is None or ckpt is None:
             return None
         self.policy.newest_committed = manifest.step
-        if found is not None:  # rank 0 read every file while verifying: its contents are kept
-            return found
-        if ahead is not None and str(ahead.path) == path and ahead.manifest == manifest:
-            return ResumePoint(ahead, changes)  # this rank's own verified read of rank 0's choice
-        return ResumePoint(VerifiedCheckpoint(Path(path), manifest), changes)
+        return ResumePoint(loader.exchange(ckpt), changes)
 
-    def _read_ahead(self) -> VerifiedCheckpoint | None:
-        """Ranks but 0, while rank 0 chooses: verify and read the newest checkpoint, which it usually picks.
-
-        Every rank reads the files itself (each byte it uses, it verified), so reading while rank 0
-        decides halves a resume's wait; the read is used only if it is the checkpoint rank 0 chose.
-        """
-        if self.cfg.resume != "auto" or self.dir.is_symlink():
-            return None
-        newest = committed_checkpoints(self.dir)[:1]
-        try:
-            return verify_checkpoint(newest[0]) if newest else None
-        except CheckpointError:
-            return None  # rank 0 falls back and says why; this rank then reads its choice
+    def _decide(
+        self,
+        ckpt: VerifiedCheckpoint | None,
+        error: str | None,
+        candidates: list[Path],
+        existing: list[Path],
+        warn: Callable[[str], None],
+    ) -> tuple[Any, ...]:
+        """Rank 0, after the ranks verified a checkpoint together: (path, manifest, changes, timeline, error)."""
+        if error is None and ckpt is None and candidates:
+            error = str(self._none_verified(existing))
+        if error is None and ckpt is not None:
+            try:
+                found = self._settle(ckpt, existing, warn)
+                return (str(ckpt.path), ckpt.manifest, found.changes, self.timeline, None)
+            except CheckpointError as e:
+                error = str(e)
+        return (None, None, [], self.timeline, error)
 
     def read(self, ckpt: VerifiedCheckpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(shared, local) state of this rank from a verified checkpoint; local None at a new world size."""
@@ -376,7 +382,8 @@ class Checkpointer:
     def _inside_own_folder(self, path: Path) -> bool:
         return path.parent.resolve() == self.dir.resolve()
 
-    def _choose(self, warn: Callable[[str], None]) -> ResumePoint | None:
+    def _candidates(self, warn: Callable[[str], None]) -> tuple[list[Path], list[Path]]:
+        """Rank 0: (the folders to try, newest first; the committed checkpoints); none to try: a fresh start."""
         if self.dir.is_symlink():
             raise CheckpointError(
                 f"{self.dir} is a symbolic link; ddptrain never writes through links inside run.dir: "
@@ -390,21 +397,35 @@ class Checkpointer:
         existing = committed_checkpoints(self.dir)
         if self.cfg.resume == "never":
             self._clear_for_fresh_start(existing, warn)
+            return [], existing
+        if self.cfg.resume == "auto":
+            return existing, existing
+        explicit = Path(self.cfg.resume)
+        if explicit.is_symlink() or not explicit.is_dir():
+            raise CheckpointError(f"ckpt.resume={self.cfg.resume!r}: no such checkpoint folder")
+        return [explicit], existing
+
+    def _none_verified(self, existing: list[Path]) -> CheckpointError:
+        return CheckpointError(
+            f"all {len(existing)} checkpoint(s) in {self.dir} failed verification; refusing to start over "
+            "silently. Move them away, or start fresh with ckpt.resume=never ckpt.existing=archive"
+        )
+
+    def _choose(self, warn: Callable[[str], None]) -> ResumePoint | None:
+        """One process: verify every file of the candidates itself, newest first."""
+        candidates, existing = self._candidates(warn)
+        if not candidates:
             return None
         if self.cfg.resume == "auto":
-            if not existing:
-                return None
-            ckpt = search(existing, warn)
+            ckpt = search(candidates, warn)
             if ckpt is None:
-                raise CheckpointError(
-                    f"all {len(existing)} checkpoint(s) in {self.dir} failed verification; refusing to start over "
-                    "silently. Move them away, or start fresh with ckpt.resume=never ckpt.existing=archive"
-                )
+                raise self._none_verified(existing)
         else:
-            explicit = Path(self.cfg.resume)
-            if explicit.is_symlink() or not explicit.is_dir():
-                raise CheckpointError(f"ckpt.resume={self.cfg.resume!r}: no such checkpoint folder")
-            ckpt = verify_checkpoint(explicit)
+            ckpt = verify_checkpoint(candidates[0])
+        return self._settle(ckpt, existing, warn)
+
+    def _settle(self, ckpt: VerifiedCheckpoint, existing: list[Path], warn: Callable[[str], None]) -> ResumePoint:
+        """Rank 0, the checkpoint chosen: check the config against it; archive what is newer; take its timeline."""
         changes = check_resume(ckpt.path.name, ckpt.manifest.config, ckpt.manifest.identity, self.config, self.identity)
         if not self._inside_own_folder(ckpt.path):
             self._clear_for_fresh_start(existing, warn)  # another folder's checkpoint starts a new timeline here
@@ -417,7 +438,7 @@ class Checkpointer:
                 f"({', '.join(p.name for p in newer[:3])}) moved to {moved} so the run never returns to them"
             )
         self.timeline = ckpt.manifest.timeline
-        self._known_good.add(ckpt.path.name)
+        self._known_good.add(ckpt.path.name)  # every byte verified (by this process, or by the ranks together)
         return ResumePoint(ckpt, changes)
 
     def _clear_for_fresh_start(self, existing: list[Path], warn: Callable[[str], None]) -> None:

@@ -1,16 +1,31 @@
 """Reading a checkpoint file once while hashing it: the reader verification hands to a format's decode().
 
 Every byte a format decodes passes through the hasher on its way (verify.py compares the digest
-with the manifest's once the file is read), so verification and decoding are one read.
+with the manifest's once the file is read), so verification and decoding are one read. bytes_read() counts what every reader of this process
+took from storage (how a shared load's 1/W per rank is measured: bench/checkpoint_ranks.py, tests).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import IO
 
 from ddptrain.checkpoint.digests import new_hasher
 
 _CHUNK = 4 << 20
+_count_lock = threading.Lock()  # files are read on several threads at once
+_count = [0]
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from checkpoint files so far (every HashingReader's, since it started)."""
+    return _count[0]
+
+
+def _counted(n: int) -> int:
+    with _count_lock:
+        _count[0] += n
+    return n
 
 
 class HashingReader:
@@ -24,7 +39,7 @@ class HashingReader:
         """Up to n bytes (fewer only at the end of the file)."""
         data = self._f.read(max(0, min(n, self.left)))
         self._hasher.update(data)
-        self.left -= len(data)
+        self.left -= _counted(len(data))
         return data
 
     def read_all(self) -> bytes:
@@ -46,7 +61,7 @@ class HashingReader:
             got = self._f.readinto(buf[done:])  # type: ignore[attr-defined]
             if not got:
                 raise EOFError("the file ends early")
-            done += got
+            done += _counted(got)
         self._hasher.update(buf)
         self.left -= len(buf)
 
@@ -55,5 +70,5 @@ class HashingReader:
         while self.left > 0:
             if not self.read(_CHUNK):
                 break
-        extra = len(self._f.read(1))
+        extra = _counted(len(self._f.read(1)))
         return extra - self.left, self._hasher.hexdigest()

@@ -78,6 +78,8 @@ class VerifiedCheckpoint:
                 raise CheckpointError(f"{self.path.name}: its {MANIFEST} changed after it was verified")
             object.__setattr__(self, "contents", again.contents)
         assert self.contents is not None
+        if name not in self.contents:  # a shared load keeps on each rank only what that rank needs
+            raise CheckpointError(f"{self.path.name}: {name} was not read for this rank")
         return self.contents[name]
 
     def release(self) -> None:
@@ -153,32 +155,53 @@ def verify_checkpoint(path: Path, keep: bool = True) -> VerifiedCheckpoint:
     keep: decode the files into the result (one read serves verification and loading); False
     only hashes them (pruning, listing).
     """
+    manifest = checked_manifest(path)
+    names = sorted(manifest.files)
+    contents = read_files(path, manifest, names, set(names) if keep else set())
+    return VerifiedCheckpoint(path, manifest, contents if keep else None)
+
+
+def checked_manifest(path: Path) -> Manifest:
+    """The manifest of the checkpoint at path, checked (folder, checksum, step, writer, required files);
+    no listed file is opened. CheckpointError naming the folder when anything is off."""
     try:
-        return _verify(path, keep)
+        if path.is_symlink() or not path.is_dir():
+            raise CheckpointError("not a checkpoint folder (missing, or a symbolic link)")
+        manifest = read_manifest(path)
+        named_step = step_of(path.name)
+        if named_step is not None and named_step != manifest.step:
+            raise ManifestError(
+                f"{MANIFEST} is of step {manifest.step}, not of the folder's step {named_step} (renamed?)"
+            )
+        writer = format_named(manifest.writer)
+        if writer is None:
+            raise ManifestError(f"{MANIFEST} names an unknown writer {manifest.writer[:40]!r}")
+        missing = sorted(writer.required(manifest.world_size) - set(manifest.files))
+        if missing:
+            raise ManifestError(f"{MANIFEST} does not list {', '.join(missing[:4])} (required to resume)")
     except CheckpointError as e:
         raise type(e)(f"{path.name}: {e}") from None
+    return manifest
 
 
-def _verify(path: Path, keep: bool) -> VerifiedCheckpoint:
-    if path.is_symlink() or not path.is_dir():
-        raise CheckpointError("not a checkpoint folder (missing, or a symbolic link)")
-    manifest = read_manifest(path)
-    named_step = step_of(path.name)
-    if named_step is not None and named_step != manifest.step:
-        raise ManifestError(f"{MANIFEST} is of step {manifest.step}, not of the folder's step {named_step} (renamed?)")
+def read_files(path: Path, manifest: Manifest, names: list[str], keep: set[str]) -> dict[str, Any]:
+    """Read and verify the listed files `names` of a checked manifest; the decoded contents of those in keep.
+
+    One thread per file: reads, hashes and torch's copies release the GIL, so the files overlap.
+    CheckpointError naming the folder and the first bad file in name order (not in timing order).
+    """
     writer = format_named(manifest.writer)
-    if writer is None:
-        raise ManifestError(f"{MANIFEST} names an unknown writer {manifest.writer[:40]!r}")
-    missing = sorted(writer.required(manifest.world_size) - set(manifest.files))
-    if missing:
-        raise ManifestError(f"{MANIFEST} does not list {', '.join(missing[:4])} (required to resume)")
-    names = sorted(manifest.files)
+    assert writer is not None  # checked_manifest refused an unknown writer
     if not names:
-        return VerifiedCheckpoint(path, manifest, {} if keep else None)
-    # One thread per file: reads, hashes and torch's copies release the GIL, so the files overlap.
+        return {}
     with ThreadPoolExecutor(max_workers=min(len(names), _MAX_THREADS)) as pool:
-        futures = {n: pool.submit(_read_file, path, n, manifest.files[n], manifest.hash, writer, keep) for n in names}
+        futures = {
+            n: pool.submit(_read_file, path, n, manifest.files[n], manifest.hash, writer, n in keep) for n in names
+        }
         outcomes: dict[str, Any] = {}
-        for n in names:  # the first failure in name order, so the message does not depend on timing
-            outcomes[n] = futures[n].result()
-    return VerifiedCheckpoint(path, manifest, outcomes if keep else None)
+        try:
+            for n in sorted(names):
+                outcomes[n] = futures[n].result()
+        except CheckpointError as e:
+            raise type(e)(f"{path.name}: {e}") from None
+    return {n: outcomes[n] for n in names if n in keep}

@@ -13,16 +13,17 @@ A part is b"DDPTPART", the header's length (8 bytes, little-endian), the header
 {"part": p, "parts": P, "tensors": [[id, dtype, shape], ...]} and then each tensor's bytes in
 that order. Reading allocates every tensor and reads its bytes straight into it while they are
 hashed, so a load is one read of each file; a header's sizes must add up to the file's size
-before anything is allocated. Any world size reads any partition: every rank reads every part.
+before anything is allocated. Any world size reads any partition: at a resume of W ranks the
+files are split over the ranks by size (the default load_plan) and each part reaches the other
+ranks from the one that read and verified it (shared_load.py).
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
-import heapq
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -33,6 +34,7 @@ from ddptrain.checkpoint.durable import write_stream
 from ddptrain.checkpoint.formats.base import SHARED_KEYS, CheckpointFormat, ReadableCheckpoint
 from ddptrain.checkpoint.formats.common import local_files, local_required, read_local, to_cpu, write_all
 from ddptrain.checkpoint.hashing_reader import HashingReader
+from ddptrain.checkpoint.load_plan import partition
 from ddptrain.checkpoint.manifest import FileEntry
 from ddptrain.errors import CheckpointError
 
@@ -74,21 +76,6 @@ def _parts(world_size: int) -> int:
 def _my_parts(rank: int) -> range:
     """Rank r writes parts r*K ... r*K+K-1 (K = PARTS_PER_RANK)."""
     return range(rank * PARTS_PER_RANK, (rank + 1) * PARTS_PER_RANK)
-
-
-def partition(sizes: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of sizes split into `parts` lists: largest first, each to the least loaded part.
-
-    Deterministic (ties go to the lower index and the lower part), so every rank computes the same
-    split from its own copy of the state; every index lands in exactly one part, in ascending order.
-    """
-    heap = [(0, p) for p in range(parts)]
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, p = heapq.heappop(heap)
-        out[p].append(i)
-        heapq.heappush(heap, (load + sizes[i], p))
-    return [sorted(o) for o in out]
 
 
 def _is_dense(obj: Any) -> bool:

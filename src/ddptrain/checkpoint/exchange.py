@@ -1,0 +1,130 @@
+"""Sending verified file contents from the rank that read them to every other rank, in bounded chunks.
+
+A content (what a format's decode() returned: bytes, or dicts and lists holding tensors) travels as
+a small description (its structure with every tensor and bytes object replaced by a Slot, and each
+one's dtype and shape) and then its buffers' raw bytes, broadcast from the owner. Receivers allocate
+every buffer once, at its final size, and the bytes land in it: a buffer of CHUNK bytes or more is
+broadcast straight into its memory, slice by slice; smaller ones travel packed together into one
+CHUNK-sized staging buffer. So a rank holds the state once, plus at most one CHUNK in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CHUNK = 16 << 20
+Buffer = torch.Tensor | bytes | bytearray
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where buffer `index` of a content goes back."""
+
+    index: int
+
+
+def flatten(content: Any) -> tuple[Any, list[Buffer]]:
+    """(content with each CPU tensor and bytes object replaced by a Slot, those buffers in order).
+
+    Dicts keep their type and attributes; anything else stays in the structure (pickled with it).
+    """
+    buffers: list[Buffer] = []
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, bytes) or (type(o) is torch.Tensor and o.device.type == "cpu" and o.is_contiguous()):
+            buffers.append(o)
+            return Slot(len(buffers) - 1)
+        if isinstance(o, dict):
+            out = copy.copy(o)
+            for k, v in o.items():
+                out[k] = walk(v)
+            return out
+        if type(o) in (list, tuple):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    return walk(content), buffers
+
+
+def describe(buffers: list[Buffer]) -> list[tuple[str, list[int]]]:
+    """Each buffer's (dtype, shape); ("bytes", [length]) for bytes."""
+    return [(str(b.dtype), list(b.shape)) if isinstance(b, torch.Tensor) else ("bytes", [len(b)]) for b in buffers]
+
+
+def allocate(specs: list[tuple[str, list[int]]]) -> list[Buffer]:
+    """Empty buffers to receive into, as describe() described them."""
+    dtypes = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return [
+        bytearray(shape[0]) if dtype == "bytes" else torch.empty(shape, dtype=dtypes[dtype]) for dtype, shape in specs
+    ]
+
+
+def rebuild(structure: Any, buffers: list[Buffer]) -> Any:
+    """The content again: each Slot replaced by its buffer (a received bytearray becomes bytes)."""
+    if isinstance(structure, Slot):
+        b = buffers[structure.index]
+        return bytes(b) if isinstance(b, bytearray) else b
+    if isinstance(structure, dict):
+        out = copy.copy(structure)
+        for k, v in structure.items():
+            out[k] = rebuild(v, buffers)
+        return out
+    if type(structure) in (list, tuple):
+        return type(structure)(rebuild(v, buffers) for v in structure)
+    return structure
+
+
+def _raw(b: Buffer) -> torch.Tensor:
+    """The bytes of a buffer as a flat uint8 tensor sharing its memory."""
+    if isinstance(b, torch.Tensor):
+        return b.reshape(-1).view(torch.uint8)
+    if len(b) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a sender's bytes are only read (the broadcast's source)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(b, dtype=torch.uint8)
+
+
+def broadcast_buffers(buffers: list[Buffer], src: int, me: int, group: dist.ProcessGroup | None) -> None:
+    """Every rank together: src's buffers' bytes into every other rank's buffers of the same sizes."""
+    pending: list[torch.Tensor] = []  # small buffers waiting to travel together
+    packed = 0
+
+    def flush() -> None:
+        nonlocal packed
+        if len(pending) == 1:  # nothing to pack with: straight into its memory
+            dist.broadcast(pending[0], src=src, group=group)
+        elif pending:
+            staging = torch.cat(pending) if me == src else torch.empty(packed, dtype=torch.uint8)
+            dist.broadcast(staging, src=src, group=group)
+            if me != src:
+                _unpack(staging, pending)
+        pending.clear()
+        packed = 0
+
+    for view in (_raw(b) for b in buffers):
+        n = view.numel()
+        if n >= CHUNK:
+            flush()
+            for start in range(0, n, CHUNK):
+                dist.broadcast(view[start : start + CHUNK], src=src, group=group)
+        elif n:
+            if packed + n > CHUNK:
+                flush()
+            pending.append(view)
+            packed += n
+    flush()
+
+
+def _unpack(staging: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copy a received staging buffer's bytes out into the views it packs, in order."""
+    offset = 0
+    for v in views:
+        v.copy_(staging[offset : offset + v.numel()])
+        offset += v.numel()
