@@ -63,6 +63,8 @@ def main() -> None:
     if mode == "die" and ctx.rank == 1:
         die_in_exchange()
     load(ctx, run_dir, mode)  # a new Checkpointer, as a restarted run builds
+    if mode == "save":  # and again with every rank reading every file itself (ckpt.load's one-host choice)
+        load(ctx, run_dir, mode, "every-rank")
     close_distributed(ctx)
 
 
@@ -90,9 +92,9 @@ def die_in_exchange() -> None:
     shared_load.broadcast_buffers = dying  # type: ignore[assignment]
 
 
-def load(ctx: DistContext, run_dir: Path, mode: str) -> None:
+def load(ctx: DistContext, run_dir: Path, mode: str, how: str = "shared") -> None:
     """Resume a differently seeded model and optimizer; note whether they now equal the saved ones."""
-    ckpt = Checkpointer(CkptConfig(timeout_s=30), run_dir, ctx, {"note": "shard"})
+    ckpt = Checkpointer(CkptConfig(timeout_s=30, load=how), run_dir, ctx, {"note": "shard"})  # type: ignore[arg-type]
     ckpt.setup()
     model, opt = trained(seed=2)
     before = bytes_read()
@@ -114,7 +116,8 @@ def load(ctx: DistContext, run_dir: Path, mode: str) -> None:
         "rng": local["rng"] if local else None,
         "bytes_read": bytes_read() - before,
     }
-    (run_dir / f"loaded-{mode}-{ctx.world_size}-rank{ctx.rank}.json").write_text(json.dumps(out))
+    suffix = "" if how == "shared" else f"-{how}"
+    (run_dir / f"loaded-{mode}{suffix}-{ctx.world_size}-rank{ctx.rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

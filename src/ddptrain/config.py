@@ -322,6 +322,10 @@ class CkptConfig(_Section):
         "auto",
         description="How checkpoints are written: auto (sharded under dist.strategy=ddp, dcp under fsdp/hsdp), sharded (every rank writes its share of the full state; ddp only), dcp (torch.distributed.checkpoint, every rank its shards; any strategy) or rank0-torch (rank 0 writes one torch.save file per object; ddp only). Resume reads any format, whatever this says.",
     )
+    load: Literal["auto", "shared", "every-rank"] = Field(
+        "auto",
+        description="How ranks resume: shared (each rank reads and verifies about 1/W of the checkpoint, the rest arrives over the network: storage reads it once per job), every-rank (each rank reads and verifies every file it needs: fastest when the ranks share one host's page cache) or auto (shared when the job spans several hosts, every-rank on one host). Either way every byte is verified before anything loads.",
+    )
 
 
 class LogConfig(_Section):

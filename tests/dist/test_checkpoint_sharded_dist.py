@@ -52,6 +52,9 @@ def test_ranks_share_the_load_fall_back_together_survive_a_lost_rank_and_resume_
     # Each rank read only its share of both checkpoints tried: every byte once in total, none twice.
     assert sum(r["bytes_read"] for r in two) == step1 + step2
     assert all(r["bytes_read"] < 0.7 * (step1 + step2) for r in two)
+    # ckpt.load=every-rank (auto's choice on one host): each rank reads what it needs itself, nothing is sent.
+    every = json.loads((tmp_path / "loaded-save-every-rank-2-rank1.json").read_text())
+    assert every["equal"] and 0.9 * step1 < every["bytes_read"] <= step1
 
     # A rank lost in the middle of the exchange: the job fails, no rank got any state, nothing on disk changed.
     before = folder_bytes(ckpts)

@@ -317,7 +317,7 @@ class Checkpointer:
             if found is not None:
                 self.policy.newest_committed = found.checkpoint.step
             return found
-        loader = SharedLoad(self.ctx.rank, self.ctx.world_size, self._group)
+        loader = SharedLoad(self.ctx.rank, self.ctx.world_size, self._group, every_rank=self._every_rank_reads())
         candidates: list[Path] = []
         existing: list[Path] = []
         error: str | None = None
@@ -339,6 +339,12 @@ class Checkpointer:
             return None
         self.policy.newest_committed = manifest.step
         return ResumePoint(loader.exchange(ckpt), changes)
+
+    def _every_rank_reads(self) -> bool:
+        """ckpt.load: auto reads on every rank when the job is on one host (the ranks share its page cache)."""
+        if self.cfg.load == "auto":
+            return len(set(self.ctx.hosts)) <= 1
+        return self.cfg.load == "every-rank"
 
     def _decide(
         self,

@@ -13,7 +13,10 @@ For each candidate (newest first, or the one ckpt.resume names), on the checkpoi
    needs, in bounded chunks (exchange.py). Nothing reaches the model or optimizer before that ends.
 
 Files reach storage once per resume in total, whatever W, and any world size loads any checkpoint:
-the split is computed for the current W. One process (no process group) verifies everything itself
+the split is computed for the current W. With `every_rank` (ckpt.load: every-rank, or auto on one host)
+each rank also reads and verifies every shared file itself and nothing is exchanged: on one host the
+ranks share the page cache, so reading is cheaper than sending (docs/benchmarks.md); the verdicts are
+still agreed, so every rank falls back together. One process (no process group) verifies everything itself
 (verify_checkpoint), as before.
 """
 
@@ -34,8 +37,9 @@ from ddptrain.errors import CheckpointError, DdptrainError
 class SharedLoad:
     """The shared load of one resume, by every rank of `group` together (rank, world_size: in that group)."""
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None, every_rank: bool = False) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.every_rank = every_rank  # each rank reads every shared file itself: no exchange
 
     def search(
         self, candidates: list[Path], warn: Callable[[str], None], named: bool
@@ -86,8 +90,11 @@ class SharedLoad:
         plan = ckpt.writer.load_plan(manifest, self.world_size)
         failure: str | None = None
         contents: dict[str, Any] = {}
+        reads, keeps = plan.reads(self.rank), plan.keeps(self.rank)
+        if self.every_rank:  # the shared files too, besides this rank's share of the rest
+            reads, keeps = sorted(set(reads) | plan.shared), keeps | plan.shared
         try:
-            contents = read_files(path, manifest, plan.reads(self.rank), plan.keeps(self.rank))
+            contents = read_files(path, manifest, reads, keeps)
         except CheckpointError as e:
             failure = str(e)
         except OSError as e:  # an I/O error mid-file rejects the checkpoint like a bad digest
@@ -103,6 +110,8 @@ class SharedLoad:
         """All ranks, once every share verified and the checkpoint is chosen: each owner sends what every
         rank needs; the checkpoint with every content this rank uses. A rank lost on the way fails every
         other rank's resume here (DdptrainError, exit 1), before anything was loaded."""
+        if self.every_rank:
+            return ckpt  # every rank read what it needs
         plan = ckpt.writer.load_plan(ckpt.manifest, self.world_size)
         contents = dict(ckpt.contents or {})
         mine = {n: flatten(contents[n]) for n in plan.reads(self.rank) if n in plan.shared}
