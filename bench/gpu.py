@@ -1,6 +1,7 @@
 """Single-GPU figures: matmul ceiling, GPT-2 124M throughput and MFU, ddptrain vs a raw loop,
-1-rank NCCL DDP and FSDP2 vs neither, checkpoint save/load of the full training state, and the checksums'
-speed on this machine's CPU (bench/hashes.py: SHA-256, BLAKE3 one thread and all cores, xxh3_128). About 3-5 minutes.
+1-rank NCCL DDP and FSDP2 vs neither, checkpoint save/load of the full training state, the 2- and 4-rank
+checkpoint figures of bench/checkpoint_ranks.py on its CPUs (saves per format, verified and shared loads,
+bytes read per resume), and the checksums' speed on this machine's CPU (bench/hashes.py: SHA-256, BLAKE3 one thread and all cores, xxh3_128). About 5-8 minutes.
 
     python bench/gpu.py --out DIR            # on a machine with one CUDA GPU; writes DIR/gpu-<date>.json
     python bench/gpu.py --smoke --out DIR    # a tiny model on the CPU: checks that the script runs
@@ -15,6 +16,7 @@ eager) are measured A B A B in rounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import socket
@@ -316,6 +318,17 @@ def checkpoint(b: Bench, trainer: Trainer, run: Path) -> dict[str, Any]:
     return res
 
 
+def checkpoint_ranks(smoke: bool, rounds: int, work: Path) -> list[dict[str, Any]]:
+    """The 2- and 4-rank checkpoint rows (bench/checkpoint_ranks.py: sync and async saves of each format,
+    verified and shared loads against torch.load, bytes read per resume) on this machine's CPUs and disk:
+    the figures 2 cores bound (hashing, the exchange over loopback) measured where there are more."""
+    from bench.checkpoint_ranks import run as run_checkpoint_ranks
+    from bench.common import Options
+
+    rows, _ = run_checkpoint_ranks(Options(smoke=smoke, rounds=rounds, work_dir=work))
+    return [dataclasses.asdict(row) for row in rows]
+
+
 def _hash_line(hashes: dict[str, Any]) -> str:
     """GB/s of each checksum on the largest buffer measured."""
     size = max((k for k in hashes if k.endswith("MB")), key=lambda k: int(k[:-2]))
@@ -364,6 +377,7 @@ def main() -> int:
     result["trainer_vs_raw"] = tv
     result["checkpoint"] = checkpoint(b, trainer, run)
     trainer.metrics.close()
+    result["checkpoint_ranks"] = checkpoint_ranks(args.smoke, 1 if args.smoke else 3, run / "ranks")
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
     result["hashes"] = machine_report(rounds=b.rounds + 1, smoke=args.smoke)  # the host CPU's, as checkpoints hash
