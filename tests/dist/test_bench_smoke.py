@@ -39,6 +39,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "overlap",
         "checkpoint",
         "checkpoint (2 ranks)",
+        "checkpoint (4 ranks)",
         "hashes",
         "replica check",
         "fsdp (2 ranks)",

@@ -41,5 +41,12 @@ def test_setup_collectives_are_one_order_on_every_rank_and_path(corpus_dir: Path
     assert init[0] == "init_process_group" and "all_gather_object" in init  # host names, once
     assert cli == api, "the config path and the live-objects path set up in different orders"
     assert cli[0] == "broadcast_object_list", cli  # build_run's first: every rank learns the run folder's lease
-    # checkpointer.setup (its group), triage.setup (a broadcast, the pids), the resume decision, in that order
-    assert cli[-4:] == ["new_group", "broadcast_object_list", "all_gather_object", "broadcast_object_list"], cli
+    # checkpointer.setup (its group), triage.setup (a broadcast, the pids), then the resume: rank 0 offers the
+    # next candidate (none in a fresh folder: no verdicts to gather) and broadcasts its decision, in that order
+    assert cli[-5:] == [
+        "new_group",
+        "broadcast_object_list",
+        "all_gather_object",
+        "broadcast_object_list",
+        "broadcast_object_list",
+    ], cli
