@@ -61,10 +61,12 @@ def evaluate_loss(
     micro_batch_size: int,
     ctx: DistContext,
     forward: Callable[[nn.Module, Any], torch.Tensor],
+    collate: Callable[[list[Any]], Any] = default_collate,
 ) -> float | None:
     """Mean loss over samples [0, num_samples) of dataset, split over the ranks of ctx; None for no samples.
 
-    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted).
+    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted); collate makes
+    the batch from the samples (the training loader's: data.collate).
     """
     if num_samples < 1:
         return None
@@ -72,7 +74,7 @@ def evaluate_loss(
     # float64 sums: the total must not depend on how the samples were grouped into batches and ranks.
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for batch in rank_batches(num_samples, ctx.world_size, ctx.rank, micro_batch_size):
-        loss = forward(model, default_collate([dataset[j] for j in batch.ids]))
+        loss = forward(model, collate([dataset[j] for j in batch.ids]))
         if batch.counts:
             totals[0] += loss.detach().double() * len(batch.ids)
             totals[1] += len(batch.ids)
