@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -16,9 +17,11 @@ from varlen_toy import VarLenTokens
 from ddptrain.config import DataConfig, ModelConfig
 from ddptrain.data.collate import IGNORE_INDEX, build_collate, pad_collate, tokenizer_pad_id
 from ddptrain.data.identity import datasets_identity
+from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
 from ddptrain.models.loss import call_model
+from ddptrain.train.evaluation import evaluate_loss
 
 
 def test_pad_collate_pads_right_and_masks_the_padding() -> None:
@@ -119,3 +122,16 @@ def test_variable_length_samples_have_a_data_identity() -> None:
     a, b = VarLenTokens(10, 32, 1, 9, seed=0), VarLenTokens(10, 32, 1, 9, seed=2)
     assert datasets_identity(a, a) == datasets_identity(VarLenTokens(10, 32, 1, 9, seed=0), a)
     assert datasets_identity(a, None)["fingerprint"] != datasets_identity(b, None)["fingerprint"]
+
+
+def test_a_padded_val_loss_is_the_mean_over_tokens_however_samples_are_grouped() -> None:
+    torch.manual_seed(0)
+    gpt = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=32, dropout=0.0))
+    data = VarLenTokens(10, 32, 1, 17, seed=3)  # lengths from 1: some samples have no target at all
+    collate = functools.partial(pad_collate, pad_id=0)
+
+    def forward(model: nn.Module, batch: Any) -> torch.Tensor:
+        return call_model(model, batch, "gpt")
+
+    by_micro = [evaluate_loss(gpt, data, 10, micro, DistContext(), forward, collate) for micro in (1, 3, 10)]
+    assert by_micro[0] is not None and by_micro[1:] == pytest.approx([by_micro[0]] * 2, abs=1e-6)
