@@ -7,7 +7,8 @@ every load is local_files_only.
 
 `HFCausalLM` adapts it to the trainer's batches: (inputs, targets) windows of the token corpus,
 targets already shifted by one, so the loss is plain cross-entropy over every position (the
-model's own `labels` path would shift again and drop one position per window).
+model's own `labels` path would shift again and drop one position per window); or a padded batch
+(data.collate=pad) whose labels it shifts itself, padding ignored.
 """
 
 from __future__ import annotations
