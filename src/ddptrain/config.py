@@ -134,6 +134,10 @@ class DataConfig(_Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the dataset factory given by target."
     )
+    collate: LineText | None = Field(
+        None,
+        description="How samples become a batch: None stacks them (torch's default_collate); 'pad' right-pads variable-length token samples (1-D tensors, or mappings with input_ids) to input_ids, attention_mask and labels (-100 at pads), pad id the corpus tokenizer's end-of-document id, else 0; or 'pkg.module:collate' called with the list of samples.",
+    )
     live: str | None = Field(
         None,
         description="Written by ddptrain.train() when given live dataset objects (their classes): eval then needs data.target (or data.live=null and data.dir), export and generate --data-dir. Leave unset.",

@@ -48,6 +48,7 @@ from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
 from ddptrain.data import build_datasets
+from ddptrain.data.collate import check_collate
 from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta, stdlib_sources
 from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
 from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
@@ -230,6 +231,7 @@ def build_run(
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
+    check_collate(cfg.data)  # and a data.collate that does not import
     model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     lease, tag = take_lease(run_dir, ctx)
     try:

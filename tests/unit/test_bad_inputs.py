@@ -94,6 +94,13 @@ BAD_VALUES = [
     ('run.dir="runs/a\\nb"', "run.dir: must be one line"),
     ('data.dir="data/\\u2028x"', "data.dir: must be one line"),
     ('ckpt.resume="a\\rb"', "ckpt.resume: must be one line"),
+    # A collate that cannot batch is refused before any collective, the run folder untouched.
+    ("data.collate=no_such_module:collate", "data.collate='no_such_module:collate': cannot import 'no_such_module'"),
+    (
+        "data.collate=ddptrain.data.collate:PAD",
+        "data.collate='ddptrain.data.collate:PAD': 'ddptrain.data.collate' has no callable 'PAD'",
+    ),
+    ("data.collate=padding", "data.collate='padding' must look like 'package.module:function'"),
     ("data.kwargs." + ".".join(["k"] * 40) + "=1", "nests deeper than 32 levels"),
     ("data.kwargs.k=" + "[" * 300 + "]" * 300, "nests deeper than 32 levels"),
 ]

@@ -87,11 +87,13 @@ def tokenizer_dir(cfg: Config, data_dir: str | None) -> Path | None:
 def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, overrides: Sequence[str]) -> str | None:
     """The loss of ckpt on split over `batches` global batches (0: all of it), on this process's share of
     the job; the line to print on rank 0, None elsewhere."""
+    from ddptrain.data.collate import build_collate
     from ddptrain.train.evaluation import eval_samples, evaluate_loss
     from ddptrain.train.precision import Precision
 
     cfg, model = model_of(ckpt, overrides)
     dataset, source = _eval_split(cfg, split, model)
+    collate = build_collate(cfg.data)  # training's batching; a bad data.collate exits 2 before the group forms
     n = eval_samples(batches, cfg.train.global_batch_size, len(dataset))
     if n < 1:
         raise DataError(f"split {split!r} of {source} has no samples")
@@ -105,7 +107,7 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
             with precision.autocast():
                 return call_model(m, to_device(batch, ctx.device), name)
 
-        loss = evaluate_loss(model, dataset, n, cfg.data.micro_batch_size, ctx, forward)
+        loss = evaluate_loss(model, dataset, n, cfg.data.micro_batch_size, ctx, forward, collate)
         if not ctx.is_main or loss is None:
             return None
         return (

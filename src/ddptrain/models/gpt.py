@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddptrain.config import ModelConfig
+from ddptrain.data.collate import IGNORE_INDEX
+from ddptrain.errors import DataError
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,9 +88,26 @@ class GPT(nn.Module):
         logits: torch.Tensor = self.lm_head(self.ln_f(x))
         return logits
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean cross-entropy over the positions whose target is not IGNORE_INDEX.
+
+        (idx, targets): the corpus's windows, targets already shifted by one. (input_ids=, labels=,
+        attention_mask=): a padded batch (data.collate=pad), labels aligned with input_ids as in
+        transformers, so they are shifted here. The mask is not needed: attention is causal and the
+        padding on the right, so no real token attends to a pad, and a pad's label is IGNORE_INDEX.
+        """
+        idx, targets = shifted_pair(idx, targets, input_ids, labels, self.cfg.block_size)
         logits = self.logits(idx)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        flat = logits.float().view(-1, logits.size(-1))
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position embedding (tied wte counts once)."""
@@ -112,3 +131,29 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
+
+
+def shifted_pair(
+    idx: torch.Tensor | None,
+    targets: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, next-token targets) from a window pair or from a padded batch's input_ids and labels.
+
+    DataError (exit 2) when the arguments are neither, or a padded batch is longer than block_size + 1
+    tokens: data.collate=pad pads to the longest sample, which the position embedding must cover.
+    """
+    if input_ids is not None and labels is not None and idx is None and targets is None:
+        if input_ids.shape[1] > block_size + 1:
+            raise DataError(
+                f"a padded batch of {input_ids.shape[1]} tokens exceeds model.block_size + 1 ({block_size + 1}); "
+                "truncate the samples or raise model.block_size"
+            )
+        return input_ids[:, :-1], labels[:, 1:]
+    if idx is not None and targets is not None and input_ids is None and labels is None:
+        return idx, targets
+    raise DataError(
+        "the model takes (inputs, targets) windows or input_ids= and labels= (data.collate=pad); a batch gave neither"
+    )

@@ -7,7 +7,8 @@ every load is local_files_only.
 
 `HFCausalLM` adapts it to the trainer's batches: (inputs, targets) windows of the token corpus,
 targets already shifted by one, so the loss is plain cross-entropy over every position (the
-model's own `labels` path would shift again and drop one position per window).
+model's own `labels` path would shift again and drop one position per window); or a padded batch
+(data.collate=pad) whose labels it shifts itself, padding ignored.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddptrain.config import HFModelConfig
+from ddptrain.data.collate import IGNORE_INDEX
 from ddptrain.data.tokenizer import require_hf
 from ddptrain.errors import ConfigError
+from ddptrain.models.gpt import shifted_pair
 
 
 class HFCausalLM(nn.Module):
@@ -44,14 +47,28 @@ class HFCausalLM(nn.Module):
         """Rows of the output embedding: the largest token id + 1 the model can predict."""
         return int(self.hf.get_output_embeddings().weight.shape[0])
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits for every position of idx (B, T)."""
-        logits: torch.Tensor = self.hf(input_ids=idx, use_cache=False).logits
+        logits: torch.Tensor = self.hf(input_ids=idx, attention_mask=attention_mask, use_cache=False).logits
         return logits
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(idx)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    def forward(
+        self,
+        idx: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean cross-entropy over the targets that are not IGNORE_INDEX: of (idx, targets) windows, or of a
+        padded batch (data.collate=pad) whose labels are aligned with input_ids and shifted here, as the
+        built-in GPT does; the attention mask goes to the transformers model."""
+        idx, targets = shifted_pair(idx, targets, input_ids, labels, self.block_size)
+        mask = attention_mask[:, : idx.shape[1]] if attention_mask is not None else None
+        logits = self.logits(idx, mask)
+        flat = logits.float().view(-1, logits.size(-1))
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N (N without input/position embeddings) plus attention 12*L*H*T."""

@@ -49,10 +49,10 @@ def model_name(model: torch.nn.Module, target: str | None) -> str:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """A batch (a tensor, or a dict/list/tuple of them) on device."""
+    """A batch (a tensor, or a mapping/list/tuple of them) on device; a mapping arrives as a dict."""
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
@@ -60,5 +60,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
-    """The loss of one batch under the user-model protocol: a tuple batch unpacked positionally, a dict by keyword."""
-    return extract_loss(model(**batch) if isinstance(batch, dict) else model(*batch), name)
+    """The loss of one batch under the user-model protocol: a tensor is forward's one argument, a mapping
+    its keywords, a tuple or list its positional arguments (anything else: one argument)."""
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:  # a tensor: unpacking it would pass each sample of the batch as an argument of its own
+        output = model(batch)
+    return extract_loss(output, name)

@@ -4,13 +4,13 @@ Shared by the trainer's periodic evaluation and `ddptrain eval`, so the two give
 for the same checkpoint: the samples are the first `eval_samples(...)` of the dataset (a count
 that depends on the config, never on the world size), each read by exactly one rank, and the
 result is the mean over samples: every batch's loss (a mean over its samples, as the model
-protocol returns it) is weighted by the batch's sample count, and the ranks all-reduce one
-(sum, count) pair.
+protocol returns it) is weighted by the batch's sample count (a padded batch's: its target tokens),
+and the ranks all-reduce one (sum, count) pair.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import Dataset, default_collate
 
+from ddptrain.data.collate import IGNORE_INDEX
 from ddptrain.dist import DistContext
 
 
@@ -61,10 +62,12 @@ def evaluate_loss(
     micro_batch_size: int,
     ctx: DistContext,
     forward: Callable[[nn.Module, Any], torch.Tensor],
+    collate: Callable[[list[Any]], Any] = default_collate,
 ) -> float | None:
     """Mean loss over samples [0, num_samples) of dataset, split over the ranks of ctx; None for no samples.
 
-    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted).
+    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted); collate makes
+    the batch from the samples (the training loader's: data.collate).
     """
     if num_samples < 1:
         return None
@@ -72,11 +75,24 @@ def evaluate_loss(
     # float64 sums: the total must not depend on how the samples were grouped into batches and ranks.
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for batch in rank_batches(num_samples, ctx.world_size, ctx.rank, micro_batch_size):
-        loss = forward(model, default_collate([dataset[j] for j in batch.ids]))
+        samples = collate([dataset[j] for j in batch.ids])
+        loss = forward(model, samples)
         if batch.counts:
-            totals[0] += loss.detach().double() * len(batch.ids)
-            totals[1] += len(batch.ids)
+            weight = _weight(samples, len(batch.ids), ctx.device)
+            # A batch with no target (every sample one token) has a NaN mean that must not count.
+            totals[0] += torch.where(weight > 0, loss.detach().double() * weight, 0.0)
+            totals[1] += weight
     if ctx.is_distributed:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
     loss_sum, count = totals.tolist()
     return float(loss_sum / count)
+
+
+def _weight(batch: Any, n_samples: int, device: torch.device) -> torch.Tensor:
+    """What a batch's mean loss averages over: its next-token targets for a padded batch (a mapping with
+    `labels`, shifted by one as the built-in models and transformers do), so val_loss is the mean over
+    tokens however samples of different lengths are grouped into batches and ranks; else its samples."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        return (labels[:, 1:] != IGNORE_INDEX).sum().to(device, torch.float64)
+    return torch.tensor(float(n_samples), dtype=torch.float64, device=device)

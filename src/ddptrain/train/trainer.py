@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
+from ddptrain.data.collate import build_collate
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
@@ -98,6 +99,7 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(
             n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
         )
+        self.collate = build_collate(cfg.data)  # the same batching for training and evaluation
         self.loader = self._loader(train_set)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         flops = getattr(self.model, "flops_per_token", None)
@@ -134,6 +136,7 @@ class Trainer:
             train_set,
             batch_size=cfg.data.micro_batch_size,
             sampler=self.sampler,
+            collate_fn=self.collate,
             num_workers=cfg.data.num_workers,
             pin_memory=ctx.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
@@ -209,7 +212,8 @@ class Trainer:
             return None
         train = self.cfg.train
         n = eval_samples(train.eval_batches, train.global_batch_size, len(self.val_set))  # type: ignore[arg-type]
-        return evaluate_loss(self.model, self.val_set, n, self.cfg.data.micro_batch_size, self.ctx, self.eval_forward)
+        micro = self.cfg.data.micro_batch_size
+        return evaluate_loss(self.model, self.val_set, n, micro, self.ctx, self.eval_forward, self.collate)
 
     def eval_forward(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss of one evaluation batch, on the device and under the run's autocast."""
