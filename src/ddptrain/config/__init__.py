@@ -1,0 +1,150 @@
+"""Typed run configuration: pydantic models, YAML files and dotted command-line overrides.
+
+Every field carries a description; `ddptrain train --help-config` prints them. Unknown keys are
+errors (a typo must never be silently ignored), and every user mistake surfaces as a
+`ConfigError`, which the CLI turns into exit code 2 with one message.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import PydanticSerializationError
+
+from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
+from ddptrain.config.data import DataConfig
+from ddptrain.config.model import HFModelConfig, ModelConfig
+from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig
+from ddptrain.config.train import OptimConfig, ScheduleConfig, TrainConfig
+from ddptrain.config_io import (
+    apply_overrides,
+    check_bounds,
+    check_encoded_size,
+    format_validation_error,
+    load_yaml,
+    read_text_file,
+    read_yaml_mapping,
+)
+from ddptrain.errors import ConfigError
+
+__all__ = [  # the sections stay importable from ddptrain.config, as do these config_io helpers
+    "MAX_SEED",
+    "MAX_TIMEOUT_S",
+    "CkptConfig",
+    "Config",
+    "DataConfig",
+    "DistConfig",
+    "HFModelConfig",
+    "LineText",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "Section",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_mapping",
+    "describe_fields",
+    "load_config",
+    "load_yaml",
+    "read_text_file",
+]
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _sharding_fits(self) -> Config:
+        d = self.dist
+        if d.strategy == "hsdp" and d.shard_size is None:
+            raise ValueError(
+                "dist.strategy=hsdp needs dist.shard_size (ranks per shard group, e.g. the ranks of one node)"
+            )
+        if d.shard_size is not None and d.strategy != "hsdp":
+            raise ValueError(f"dist.shard_size applies to dist.strategy=hsdp only (strategy is {d.strategy})")
+        if d.strategy != "ddp" and self.train.precision == "fp16":
+            # FSDP2 has no sharded GradScaler in this trainer: bf16 needs no loss scaling.
+            raise ValueError(f"train.precision=fp16 is not supported with dist.strategy={d.strategy}; use bf16")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """The resolved output folder of this run."""
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step so that the global batch is kept at any world size."""
+        per_step = self.data.micro_batch_size * world_size
+        if self.train.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by "
+                f"data.micro_batch_size={self.data.micro_batch_size} x world size {world_size}; "
+                f"pick a global batch that is a multiple of {per_step}"
+            )
+        return self.train.global_batch_size // per_step
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (ConfigError) a world size the batch or the shard groups cannot split over."""
+        self.grad_accum_steps(world_size)
+        d = self.dist
+        if d.strategy == "hsdp" and world_size % (d.shard_size or world_size):
+            raise ConfigError(
+                f"dist.shard_size={d.shard_size} does not divide the world size {world_size}; "
+                "hsdp needs whole shard groups (e.g. the ranks of one node)"
+            )
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, as written to run.dir/config.yaml."""
+        # One line per value (no folding) and characters as they are: the size config_io's bounds promise.
+        return yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True), sort_keys=False, allow_unicode=True, width=2**30
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (or the built-in defaults when path is None), apply dotted overrides, validate."""
+    data = read_yaml_mapping(Path(path), "config file") if path is not None else {}
+    return config_from_mapping(data, overrides or [])
+
+
+def config_from_mapping(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
+    """Validate a mapping of sections (as YAML would give), after applying dotted overrides; ConfigError for
+    anything invalid, or past the bounds of config_io (depth, values, text), with or without the overrides."""
+    check_bounds(data)  # first: a structure past the bounds is never copied or expanded
+    merged = apply_overrides(copy.deepcopy(dict(data)), overrides or [])
+    check_bounds(merged)
+    try:
+        cfg = Config.model_validate(merged)
+        check_encoded_size(cfg.model_dump(mode="json", by_alias=True))
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    except (PydanticSerializationError, TypeError, ValueError) as e:  # a Python-API value with no JSON form
+        raise ConfigError(f"the config cannot be stored as JSON: {' '.join(str(e).split())[:200]}") from None
+    return cfg
+
+
+def describe_fields() -> str:
+    """Every config key with its type, default and description (for --help-config)."""
+    out = []
+    for section_name, field in Config.model_fields.items():
+        section = field.default_factory()  # type: ignore[call-arg,misc]
+        out.append(f"{section_name}:")
+        for name, f in type(section).model_fields.items():
+            key = f.alias or name
+            out.append(f"  {key} = {getattr(section, name)!r}\n      {f.description}")
+    return "\n".join(out)
