@@ -20,7 +20,7 @@ would deadlock the job):
  6. checkpointer.setup()     the checkpoints' own gloo group
  7. observers                metrics and tracker sinks, progress (rank 0 only), triage.setup(): a broadcast,
                              an all-gather of pids
- 8. resume                   rank 0 verifies and checks the config, everyone receives its choice
+ 8. resume (train/start.py)  rank 0 verifies and checks the config, everyone receives its choice
                              (a broadcast); only then, with the run accepted, rank 0 writes
                              config.yaml and every rank's held log lines reach logs/rank-<r>.log
 Then `Run.fit()` trains.
@@ -29,7 +29,6 @@ Then `Run.fit()` trains.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.formats.base import CheckpointFormat
 from ddptrain.checkpoint.formats.registry import checkpoint_format
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
-from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
 from ddptrain.data import build_datasets
 from ddptrain.data.collate import check_collate
@@ -79,6 +77,7 @@ from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaDivergence
 from ddptrain.train.rng import seed_everything
+from ddptrain.train.start import resume_or_start, say
 from ddptrain.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class Run:
                 report(run_dir)
                 self.metrics.upload(report_dir(run_dir), "report")
             if "model" in wanted:
-                export_model(run_dir, export_dir(run_dir) / "model.safetensors", None, _say)
+                export_model(run_dir, export_dir(run_dir) / "model.safetensors", None, say)
                 self.metrics.upload(export_dir(run_dir), "model")
         except Exception as e:  # the run has succeeded: a failed extra must not change that
             log.warning("log.track_artifacts: %s: %s; nothing more uploaded", type(e).__name__, e)
@@ -296,7 +295,7 @@ def _build(
     wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
-    metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, _say))
+    metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, say))
     config = cfg.model_dump(mode="json", by_alias=True)
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
     checkpointer = Checkpointer(
@@ -311,7 +310,7 @@ def _build(
     if lease is not None:
         lease.when_lost(run.abandon_folder)  # on the heartbeat thread: rank 0 stops writing at once
     try:
-        _resume(run)
+        resume_or_start(cfg, trainer, checkpointer, metrics, timeline)
         if ctx.is_main:  # only now: a refused run (exit 2) leaves the folder's config.yaml as it was
             _write_config(cfg)
     except BaseException:
@@ -329,90 +328,10 @@ def _write_config(cfg: Config) -> None:
         raise UserError(f"cannot write the run folder {cfg.run_dir}: {e.strerror or e}") from None
 
 
-def _say(text: str) -> None:
-    """The callback through which the checkpoint search and the trackers still report (they take a
-    `say` function, not a logger): their warnings come prefixed with "warning: "."""
-    if text.startswith("warning: "):
-        log.warning(text.removeprefix("warning: "))
-    else:
-        log.info(text)
-
-
 def _data_identity(cfg: Config, train_set: Dataset[Any], val_set: Dataset[Any] | None, live: bool) -> dict[str, Any]:
     if cfg.data.target is None and not live:
         return corpus_identity(Path(cfg.data.dir))
     return datasets_identity(train_set, val_set, None if live else cfg.data.target)
-
-
-def _resume(run: Run) -> None:
-    """Step 8: load the checkpoint ckpt.resume names (if any) and announce the run."""
-    cfg, ctx, trainer = run.cfg, run.ctx, run.trainer
-    found = run.checkpointer.find_resume(_say)
-    if found:
-        ckpt = found.checkpoint
-        trainer.resume(ckpt)
-        log.info(
-            "resuming from %s (step %d; saved at world size %s, now %d, grad accumulation %d)",
-            ckpt.path,
-            trainer.step,
-            ckpt.manifest.world_size,
-            ctx.world_size,
-            trainer.accum,
-        )
-        if found.changes:
-            log.info(
-                "config changed since %s, applied from step %d on: %s",
-                ckpt.path.name,
-                trainer.step,
-                ", ".join(c.describe() for c in found.changes),
-            )
-            run.metrics.write(
-                "event",
-                event="config_change",
-                step=trainer.step,
-                checkpoint=ckpt.path.name,
-                changes=[{"key": c.key, "old": c.old, "new": c.new} for c in found.changes],
-            )
-        if cfg.model.init_from:
-            log.info("model.init_from ignored: the run folder has checkpoints and resume wins")
-    elif cfg.model.init_from:
-        loaded = init_weights_from(trainer.model, cfg.model.init_from, cfg.model)
-        log.info("initialised the model from %s (weights only: fresh optimizer, step 0)", loaded)
-    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
-    log.info(
-        f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
-        f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
-        f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
-    )
-    log.info(trainer.throughput.describe())
-    _warn_if_all_warm_up(cfg, trainer.step)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if run.timeline is not None:
-        run.timeline.mark("checkpoint_loaded")
-    run.metrics.write(
-        "event",
-        event="resume" if found else "start",
-        step=trainer.step,
-        world_size=ctx.world_size,
-        grad_accum=trainer.accum,
-        restart_count=restarts,
-        host=ctx.hostname,
-    )
-
-
-def _warn_if_all_warm_up(cfg: Config, step: int) -> None:
-    """A warm-up as long as the run (easy with the default 20 steps and a short fine-tune) is a warning,
-    not an error: the run trains, but its learning rate never reaches train.lr."""
-    t = cfg.train
-    if t.warmup_steps >= t.max_steps > step:
-        log.warning(
-            "train.warmup_steps=%d covers the whole run (train.max_steps=%d): the learning rate never reaches "
-            "train.lr=%g; set train.warmup_steps below train.max_steps (e.g. train.warmup_steps=%d)",
-            t.warmup_steps,
-            t.max_steps,
-            t.lr,
-            max(1, t.max_steps // 10),
-        )
 
 
 def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
