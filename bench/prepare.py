@@ -2,9 +2,10 @@
 
 - Throughput: `prepare_corpus` (worker processes, one per core, reading files and writing shards)
   against the `tokenizers` library's own `encode_batch` on the same texts, already in memory, in
-  one process with all its threads. Same tokenizer (a BPE of 8192 trained once on the corpus).
+  one process with all its threads. Same tokenizer (a BPE of 8192 trained once on the corpus). The
+  same texts as rows of one Parquet file (row groups of 16 documents) give the Parquet row.
 - Peak memory: a `ddptrain prepare` child on a generated corpus and on one 10x larger (the kernel's
-  ru_maxrss of the child and its workers).
+  ru_maxrss of the child and its workers), as text files and as one Parquet file.
 - Data stall: bench/data.py's end-to-end measurement on the BPE shards with the built-in GPT.
 """
 
@@ -47,6 +48,16 @@ def _generated_corpus(folder: Path, megabytes: int, lines: list[str]) -> Path:
     return folder
 
 
+def _as_parquet(texts: list[str], path: Path, rows_per_group: int) -> Path:
+    """The texts as the rows of one Parquet file's `text` column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=rows_per_group)
+    return path
+
+
 def _peak_rss_mb(corpus: Path, out: Path, tokenizer: Path) -> float:
     cmd = [sys.executable, "-m", "ddptrain", "prepare", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,8 +93,16 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         n = sum(len(e.ids) + 1 for e in hf.encode_batch(texts, add_special_tokens=False))
         return n / (time.perf_counter() - t)
 
-    t = interleave({"prepare": ours, "encode_batch": library}, opts)
+    parquet = _as_parquet(texts, work / "parquet" / "docs.parquet", rows_per_group=16)
+
+    def ours_parquet() -> float:
+        t = time.perf_counter()
+        prepare_corpus([parquet], work / "again-parquet", 0.05, PrepareOptions(tokenizer=str(tokenizer_file)))
+        return tokens / (time.perf_counter() - t)
+
+    t = interleave({"prepare": ours, "prepare_parquet": ours_parquet, "encode_batch": library}, opts)
     ratio = summary([a / b for a, b in zip(t["prepare"], t["encode_batch"])])
+    parquet_ratio = summary([a / b for a, b in zip(t["prepare_parquet"], t["encode_batch"])])
 
     lines = [ln for p in files[:20] for ln in p.read_text(errors="replace").splitlines()]
     size = 1 if opts.smoke else 4
@@ -91,6 +110,14 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     large = _generated_corpus(work / "gen-10x", 10 * size, lines)
     rss_1 = _peak_rss_mb(small, work / "out-1x", tokenizer_file)
     rss_10 = _peak_rss_mb(large, work / "out-10x", tokenizer_file)
+    rss_pq = [
+        _peak_rss_mb(
+            _as_parquet([p.read_text() for p in sorted(gen.iterdir())], work / f"{gen.name}.parquet", 1),
+            work / f"out-{gen.name}-pq",
+            tokenizer_file,
+        )
+        for gen in (small, large)
+    ]
 
     stall_rows, stall_data = data.run(dataclasses.replace(opts, data_dir=bpe_dir))
     stall = next(r for r in stall_rows if r.unit == "%")
@@ -106,6 +133,25 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             f"prepare {summary(t['prepare'])['median']:,.0f} tokens/s, encode_batch "
             f"{summary(t['encode_batch'])['median']:,.0f}; {len(files)} files, {tokens:,} tokens, BPE {VOCAB} "
             f"(first prepare incl. training the BPE: {first_s:.1f} s)",
+        ),
+        Row(
+            "prepare",
+            "tokens/s of prepare from one Parquet file (workers) / tokenizers encode_batch (all threads)",
+            parquet_ratio,
+            "x",
+            ">= 0.8",
+            parquet_ratio["median"] >= 0.8,
+            f"prepare from Parquet {summary(t['prepare_parquet'])['median']:,.0f} tokens/s; the same texts as rows, "
+            "row groups of 16 documents",
+        ),
+        Row(
+            "prepare",
+            f"peak RSS of prepare from Parquet, {10 * size} MB / {size} MB (rows of ~1 MB)",
+            {"median": rss_pq[1] / rss_pq[0], "min": rss_pq[1] / rss_pq[0], "max": rss_pq[1] / rss_pq[0], "n": 1},
+            "x",
+            "< 1.5",
+            rss_pq[1] / rss_pq[0] < 1.5,
+            f"{rss_pq[0]:.0f} MB at 1x, {rss_pq[1]:.0f} MB at 10x (child and its workers)",
         ),
         Row(
             "prepare",
@@ -126,4 +172,8 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             stall.note,
         ),
     ]
-    return rows, {"tokens_per_s": t, "rss_mb": {"1x": rss_1, "10x": rss_10}, "stall": stall_data}
+    return rows, {
+        "tokens_per_s": t,
+        "rss_mb": {"1x": rss_1, "10x": rss_10, "parquet_1x": rss_pq[0], "parquet_10x": rss_pq[1]},
+        "stall": stall_data,
+    }

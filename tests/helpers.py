@@ -73,6 +73,13 @@ def env_for_subprocess(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused command printed on stderr (asserting there is exactly one and no traceback)."""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
 def run_ddptrain(
     args: list[str],
     *,

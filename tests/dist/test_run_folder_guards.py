@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import env_for_subprocess, folder_bytes, read_metrics, run_ddptrain
+from helpers import env_for_subprocess, folder_bytes, one_error_line, read_metrics, run_ddptrain
 
 from ddptrain.checkpoint.manifest import manifest_checksum
 from ddptrain.data.corpus import prepare_corpus
@@ -29,12 +29,6 @@ def snapshot(run_dir: Path) -> dict[str, str]:
     for f in sorted((run_dir / "checkpoints").glob("step-*/*")):
         out[f"{f.parent.name}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
     return out
-
-
-def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 @pytest.fixture

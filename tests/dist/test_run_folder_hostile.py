@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY, env_for_subprocess, mounted_tmpfs, run_ddptrain
+from helpers import TINY, env_for_subprocess, mounted_tmpfs, one_error_line, run_ddptrain
 
 from ddptrain.cli import main
 
@@ -91,12 +91,6 @@ def entries(folder: Path) -> dict[str, str]:
         else:
             out[name] = hashlib.sha256(entry.read_bytes()).hexdigest()
     return out
-
-
-def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 def copy_run(trained: Path, tmp_path: Path) -> Path:

@@ -117,7 +117,7 @@ def test_jsonl_documents_and_bad_lines(tmp_path: Path) -> None:
     )
     assert info.documents == len(FILES)
     with pytest.raises(DataError, match="no string field 'body'"):
-        prepare_corpus([tmp_path / "docs.jsonl"], tmp_path / "out2", 0.1, PrepareOptions(jsonl_field="body"))
+        prepare_corpus([tmp_path / "docs.jsonl"], tmp_path / "out2", 0.1, PrepareOptions(text_field="body"))
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     with pytest.raises(DataError, match="invalid JSON in the line at byte 17"):
         prepare_corpus([tmp_path / "bad.jsonl"], tmp_path / "out3", 0.1)

@@ -31,7 +31,9 @@ class PrepareCommandOptions:
         _HOW.tokenizer,
         "{default} (default), a tokenizer.json (or its folder), or train:VOCAB to train a byte-level BPE",
     )
-    jsonl_field: str = option(_HOW.jsonl_field, "field holding the text in .jsonl files")
+    text_field: str = option(
+        _HOW.text_field, "field (.jsonl) or column (.parquet, .arrow, saved datasets) holding the text"
+    )
     workers: int = option(_HOW.workers, "tokenizing processes (default: one per core)", show_default=False)
     wait: float = option(_HOW.wait_s, "seconds to wait for another prepare of --out (default {default:g})")
     force: bool = option(
@@ -54,7 +56,7 @@ def prepare(options: PrepareCommandOptions) -> int:
     files = expand_sources(list(options.sources)) if options.sources else stdlib_sources()
     how = PrepareOptions(
         options.tokenizer,
-        options.jsonl_field,
+        options.text_field,
         options.workers,
         options.shard_tokens,
         wait_s=options.wait,

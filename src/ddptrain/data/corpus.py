@@ -18,6 +18,7 @@ from typing import Any
 
 from ddptrain.data.meta import ITEMSIZE, read_meta_file
 from ddptrain.data.prepare import SPLITS, CorpusInfo, PrepareOptions, prepare_corpus
+from ddptrain.data.tables import saved_dataset_files
 from ddptrain.errors import DataError
 
 __all__ = [
@@ -40,14 +41,19 @@ def stdlib_sources() -> list[Path]:
 
 
 def expand_sources(patterns: list[str]) -> list[Path]:
-    """Files named directly, through globs (** allowed) or as folders (all files below)."""
+    """Files named directly, through globs (** allowed) or as folders (all files below, or the Arrow files of
+    a folder saved by Hugging Face `datasets`)."""
     files: list[Path] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) or ([pattern] if os.path.exists(pattern) else [])
         if not matches:
             raise DataError(f"no files match {pattern!r}")
         for m in map(Path, matches):
-            files.extend(sorted(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else [m])
+            if m.is_dir():
+                saved = saved_dataset_files(m)  # a folder `datasets` saved: its Arrow files, not its JSON
+                files.extend(saved if saved is not None else sorted(p for p in m.rglob("*") if p.is_file()))
+            else:
+                files.append(m)
     return files
 
 

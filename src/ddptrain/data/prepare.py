@@ -77,7 +77,7 @@ class PrepareOptions:
     another preparer of the same folder, and whether to prepare into a folder holding others' files (publish.py)."""
 
     tokenizer: str = "bytes"
-    jsonl_field: str = "text"
+    text_field: str = "text"
     workers: int = 0  # 0: one per available core
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     task_bytes: int = DEFAULT_TASK_BYTES
@@ -90,15 +90,15 @@ class PrepareOptions:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_file: str, jsonl_field: str) -> None:
+def _init_worker(tokenizer_file: str, text_field: str) -> None:
     # One single-threaded tokenizer per process: the processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker["tokenizer"] = load_tokenizer_file(Path(tokenizer_file))
-    _worker["field"] = jsonl_field
+    _worker["field"] = text_field
 
 
-def _tokenize(task: Task, tokenizer: Tokenizer, jsonl_field: str) -> tuple[np.ndarray, int, int]:
-    docs = [d for piece in task.pieces for d in read_documents(piece, jsonl_field)]
+def _tokenize(task: Task, tokenizer: Tokenizer, text_field: str) -> tuple[np.ndarray, int, int]:
+    docs = [d for piece in task.pieces for d in read_documents(piece, text_field)]
     return tokenizer.encode_batch(docs), len(docs), sum(map(len, docs))
 
 
@@ -113,12 +113,12 @@ def _results(
     if tokenizer.hf is None or workers <= 1:
         # Raw bytes need no tokenizing: reading is the whole cost, and one process does it.
         for task in tasks:
-            yield _tokenize(task, tokenizer, opts.jsonl_field)
+            yield _tokenize(task, tokenizer, opts.text_field)
         return
     # fork, not spawn: `python -m ddptrain` would re-run the command in a spawned child. An executor,
     # not a Pool: a worker that dies (OOM-killed) fails its task with BrokenProcessPool instead of a hang.
     ctx = multiprocessing.get_context("fork")
-    init_args = (str(out_dir / TOKENIZER_FILE), opts.jsonl_field)
+    init_args = (str(out_dir / TOKENIZER_FILE), opts.text_field)
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args) as pool:
         pending: deque[Future[tuple[np.ndarray, int, int]]] = deque()
         try:
@@ -138,7 +138,7 @@ def _results(
 # ---- the pipeline -------------------------------------------------------------------------------
 
 
-def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, jsonl_field: str) -> Tokenizer:
+def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, text_field: str) -> Tokenizer:
     target = folder / TOKENIZER_FILE
     if spec.kind == "bytes":
         return Tokenizer(None, 256, None)
@@ -146,7 +146,7 @@ def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, jsonl
         assert spec.path is not None
         shutil.copyfile(spec.path, target)
     else:
-        train_bpe(iter_documents(files, jsonl_field), spec.vocab_size, target)
+        train_bpe(iter_documents(files, text_field), spec.vocab_size, target)
     return load_tokenizer_file(target)
 
 
@@ -161,7 +161,7 @@ def recipe_of(sources: list[Path], val_fraction: float, opts: PrepareOptions, sp
             raise DataError(f"cannot read {path}: {e.strerror}") from None
         files.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
     tokenizer = sha256_file(spec.path) if spec.path is not None else opts.tokenizer
-    described = [files, val_fraction, tokenizer, opts.jsonl_field, opts.shard_tokens, opts.task_bytes]
+    described = [files, val_fraction, tokenizer, opts.text_field, opts.shard_tokens, opts.task_bytes]
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
@@ -226,7 +226,7 @@ def _prepare_into(
     sources: list[Path], folder: Path, val_fraction: float, opts: PrepareOptions, spec: TokenizerSpec, recipe: str
 ) -> CorpusInfo:
     """The pipeline: tokenize the files into shards and meta.json in folder (a fresh, private one)."""
-    tokenizer = _setup_tokenizer(spec, sources, folder, opts.jsonl_field)
+    tokenizer = _setup_tokenizer(spec, sources, folder, opts.text_field)
     workers = opts.workers or len(os.sched_getaffinity(0))
     writers = {s: ShardWriter(folder, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
     documents = input_bytes = 0

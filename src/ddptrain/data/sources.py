@@ -1,7 +1,7 @@
 """Documents to prepare, cut into small tasks that worker processes read and tokenize themselves.
 
 A text file is one document. A `.jsonl` file holds one document per line, in a named string
-field. The main process never reads document text: it only lists files and, for a large JSON
+field; a Parquet or Arrow file one per row, in a named string column (tables.py). The main process never reads document text: it only lists files and, for a large JSON
 Lines file, finds line boundaries near fixed byte offsets. So its memory does not depend on the
 corpus size, and the tasks (hence the shards) are the same on every run over the same files.
 """
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddptrain.data.tables import is_table, read_table_documents, table_pieces
 from ddptrain.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl",)
@@ -20,11 +21,19 @@ JSONL_SUFFIXES = (".jsonl",)
 
 @dataclass(frozen=True)
 class Piece:
-    """A whole text file (end = -1) or the byte range [start, end) of whole lines of a JSON Lines file."""
+    """A whole text file (end = -1), the byte range [start, end) of whole lines of a JSON Lines file, or the
+    row groups / record batches [start, end) of a table file (nbytes: their size; -1 for the other kinds)."""
 
     path: Path
     start: int = 0
     end: int = -1
+    nbytes: int = -1
+
+    def input_bytes(self, file_size: int) -> int:
+        """The bytes of input this piece stands for (to size tasks)."""
+        if self.nbytes >= 0:
+            return self.nbytes
+        return self.end - self.start if self.end >= 0 else file_size
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,12 @@ def _jsonl_pieces(path: Path, size: int, task_bytes: int) -> Iterator[Piece]:
             start = end
 
 
+def _pieces(path: Path, size: int, task_bytes: int) -> Iterator[Piece]:
+    if is_table(path):
+        return (Piece(path, start, end, nbytes) for start, end, nbytes in table_pieces(path, task_bytes))
+    return _jsonl_pieces(path, size, task_bytes) if is_jsonl(path) else iter([Piece(path)])
+
+
 def plan_tasks(files: list[Path], task_bytes: int) -> Iterator[Task]:
     """Tasks over the files in order: small files grouped, large JSON Lines files split at line ends."""
     group: list[Piece] = []
@@ -62,10 +77,9 @@ def plan_tasks(files: list[Path], task_bytes: int) -> Iterator[Task]:
             size = path.stat().st_size
         except OSError as e:
             raise DataError(f"cannot read {path}: {e.strerror}") from None
-        pieces = list(_jsonl_pieces(path, size, task_bytes)) if is_jsonl(path) else [Piece(path)]
-        for piece in pieces:
+        for piece in _pieces(path, size, task_bytes):
             group.append(piece)
-            group_bytes += (piece.end - piece.start) if piece.end >= 0 else size
+            group_bytes += piece.input_bytes(size)
             if group_bytes >= task_bytes:
                 yield Task(index, tuple(group))
                 index += 1
@@ -74,8 +88,11 @@ def plan_tasks(files: list[Path], task_bytes: int) -> Iterator[Task]:
         yield Task(index, tuple(group))
 
 
-def read_documents(piece: Piece, jsonl_field: str) -> Iterator[bytes]:
+def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:
     """The documents of one piece, as UTF-8 bytes (text files exactly as stored)."""
+    if is_table(piece.path):
+        yield from read_table_documents(piece.path, piece.start, piece.end, text_field)
+        return
     try:
         if not is_jsonl(piece.path):
             yield piece.path.read_bytes()
@@ -88,7 +105,7 @@ def read_documents(piece: Piece, jsonl_field: str) -> Iterator[bytes]:
     offset = piece.start
     for line in data.splitlines(keepends=True):
         if line.strip():
-            yield _jsonl_text(line, piece.path, offset, jsonl_field).encode("utf-8")
+            yield _jsonl_text(line, piece.path, offset, text_field).encode("utf-8")
         offset += len(line)
 
 
@@ -99,14 +116,12 @@ def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
         raise DataError(f"{path}: invalid JSON in the line at byte {offset}: {e.msg}") from None
     text = record.get(field) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --jsonl-field)")
+        raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --text-field)")
     return text
 
 
-def iter_documents(files: list[Path], jsonl_field: str) -> Iterator[bytes]:
+def iter_documents(files: list[Path], text_field: str) -> Iterator[bytes]:
     """Every document of the files, in order, one at a time (for training a tokenizer)."""
     for path in files:
-        size = path.stat().st_size
-        pieces = _jsonl_pieces(path, size, 1 << 24) if is_jsonl(path) else [Piece(path)]
-        for piece in pieces:
-            yield from read_documents(piece, jsonl_field)
+        for piece in _pieces(path, path.stat().st_size, 1 << 24):
+            yield from read_documents(piece, text_field)
