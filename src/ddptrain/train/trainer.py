@@ -96,8 +96,9 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(ctx.device, counted=cfg.train.precision != "fp16")
         self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
         n_samples = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
+        stream = getattr(train_set, "sample_order", None) == "stream"  # a mixture: positions, not a shuffle
         self.sampler = ResumableDistributedSampler(
-            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
+            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed, stream=stream
         )
         self.collate = build_collate(cfg.data)  # the same batching for training and evaluation
         self.loader = self._loader(train_set)
