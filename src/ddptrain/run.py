@@ -47,7 +47,8 @@ from ddptrain.checkpoint.lease import LeaseHeld, RunLease
 from ddptrain.config import Config, config_from_mapping, load_config
 from ddptrain.data.collate import check_collate
 from ddptrain.data.identity import agree_on_data
-from ddptrain.data.source import DataSource, LiveData, data_source
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import DataSource, LiveData, Sampling
 from ddptrain.dist import DistContext, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import (
     CheckpointSaveError,
@@ -281,7 +282,7 @@ def _build(
     # The built-in GPT takes the data's vocabulary: a new config, the caller's stays as it was.
     cfg = cfg.model_copy(update={"model": fit_vocab_to_data(cfg.model, data_vocab)})
     seed_everything(cfg.run.seed)
-    train_set, val_set = source.datasets(cfg.model.block_size)
+    train_set, val_set = source.datasets(Sampling.of(cfg))
     agree_on_data(ctx, source.identity(train_set, val_set))
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)

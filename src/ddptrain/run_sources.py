@@ -24,7 +24,8 @@ from typing import Any
 import torch.nn as nn
 
 from ddptrain.config import Config
-from ddptrain.data.source import LiveData, data_source
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import LiveData
 from ddptrain.errors import ConfigError
 from ddptrain.models import require_model_source
 from ddptrain.models.gpt import GPT

@@ -8,7 +8,7 @@ import torch.nn as nn
 from ddptrain.checkpoint.compat import check_resume, run_identity
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.config import CkptConfig
-from ddptrain.data.source import data_source
+from ddptrain.data.kinds import data_source
 from ddptrain.errors import CheckpointError, CheckpointSaveError
 
 

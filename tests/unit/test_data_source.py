@@ -14,19 +14,21 @@ import ddptrain
 import ddptrain.data.corpus as corpus_module
 from ddptrain.config import DataConfig, ModelConfig, load_config
 from ddptrain.data.identity import datasets_identity
+from ddptrain.data.kinds import KINDS, data_source
 from ddptrain.data.source import (
     DEFAULT_DATA_DIR,
-    KINDS,
     DataSource,
     DefaultCorpus,
     LiveDatasets,
     PreparedCorpus,
+    Sampling,
     UserFactory,
-    data_source,
 )
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
 from ddptrain.run_sources import record_sources
+
+SHAPE = Sampling(block_size=32, global_batch=8, seed=0)
 
 LIVE = (TensorDataset(torch.arange(12).reshape(6, 2)), None)
 
@@ -56,7 +58,7 @@ def test_a_prepared_corpus_answers_from_one_read_of_its_meta_json(
     real = corpus_module.read_meta_file
     monkeypatch.setattr(corpus_module, "read_meta_file", lambda d: reads.append(d) or real(d))
     source = data_source(DataConfig(dir=str(corpus_dir)))
-    train, val = source.datasets(32)
+    train, val = source.datasets(SHAPE)
     assert len(train) > len(val) > 0 and source.vocab_size() == 256 and source.pad_id() == 0
     assert source.identity(train, val)["bad_data"] is None
     assert source.resume_identity()["sha256"] == source.identity(train, val)["sha256"]
@@ -74,7 +76,7 @@ def test_a_user_factory_and_live_datasets_know_no_tokenizer() -> None:
         "kwargs": {"n": 8, "dims": [2]},
     }
     live = data_source(DataConfig(live="torch.utils.data.dataset:TensorDataset"), LIVE)
-    assert live.datasets(32) is LIVE and live.resume_identity() == {"source": "live"}
+    assert live.datasets(SHAPE) is LIVE and live.resume_identity() == {"source": "live"}
     assert live.identity(*LIVE) == datasets_identity(*LIVE)
     with pytest.raises(ConfigError, match="pass --data-dir DIR"):
         live.tokenizer_dir()
@@ -82,7 +84,7 @@ def test_a_user_factory_and_live_datasets_know_no_tokenizer() -> None:
 
 def test_a_recorded_live_source_says_which_keys_to_set() -> None:
     recorded = data_source(DataConfig(live="my:Data"))
-    for ask in (recorded.check_can_build, lambda: recorded.split("val", 32)):
+    for ask in (recorded.check_can_build, lambda: recorded.split("val", SHAPE)):
         with pytest.raises(ConfigError, match=r"data.live='my:Data'.*add data.target=pkg.module:factory"):
             ask()
     with pytest.raises(ConfigError, match="whose tokenizer ddptrain does not know; pass --data-dir DIR"):
@@ -111,7 +113,9 @@ def test_the_config_given_to_train_is_left_as_it_was_and_meta_json_read_once(
     monkeypatch.setattr(corpus_module, "read_meta_file", lambda d: reads.append(d) or real(d))
     assert ddptrain.train(cfg).step == 2  # the run fits the built-in GPT's vocabulary to the corpus's 256 ...
     assert reads == [corpus_dir]
-    assert ddptrain.train(live, datasets=PreparedCorpus(cfg.data).datasets(32)).step == 2  # ... and records data.live
+    assert (
+        ddptrain.train(live, datasets=PreparedCorpus(cfg.data).datasets(SHAPE)).step == 2
+    )  # ... and records data.live
     assert cfg.model_dump() == before and live.model_dump() == live_before  # ... in configs of their own
     assert {name: set(getattr(cfg, name).model_fields_set) for name in ("model", "data")} == fields
     saved = (tmp_path / "run" / "config.yaml").read_text()

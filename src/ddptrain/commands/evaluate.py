@@ -75,7 +75,7 @@ def model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[C
 def tokenizer_dir(cfg: Config, data_dir: str | None) -> Path | None:
     """The corpus whose tokenizer an export carries: --data-dir, else the run's data source's (None when it has
     none; ConfigError naming --data-dir when ddptrain cannot know it)."""
-    from ddptrain.data.source import data_source
+    from ddptrain.data.kinds import data_source
 
     if data_dir is not None:
         return existing_dir("--data-dir", Path(data_dir))
@@ -135,12 +135,13 @@ def _check_vocab(cfg: Config, model: torch.nn.Module, vocab: int | None) -> None
 def _eval_split(cfg: Config, split: str, model: torch.nn.Module) -> tuple[Any, str]:
     """(the dataset of split, what it is), checked as training checks it: the vocabulary fits the model and the
     bytes their description (a prepared corpus's meta.json, data/verify.py)."""
-    from ddptrain.data.source import data_source
+    from ddptrain.data.kinds import data_source
+    from ddptrain.data.source import Sampling
     from ddptrain.train.rng import seed_everything
 
     source = data_source(cfg.data)
     seed_everything(cfg.run.seed)  # as the trainer builds them: a factory drawing random samples draws the same
-    dataset = source.split(split, cfg.model.block_size)
+    dataset = source.split(split, Sampling.of(cfg))
     _check_vocab(cfg, model, source.vocab_size())
     source.verify()
     return dataset, source.describe()

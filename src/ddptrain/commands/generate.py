@@ -22,7 +22,8 @@ from ddptrain.checks import existing_dir, number_in, text_arg
 from ddptrain.cli_options import REQUIRED, option
 from ddptrain.config import MAX_SEED, DataConfig, ModelConfig
 from ddptrain.config_io import format_validation_error
-from ddptrain.data.source import BYTES, data_source
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import BYTES
 from ddptrain.data.tokenizer import Tokenizer
 from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.models.gpt import GPT

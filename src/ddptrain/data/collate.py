@@ -48,7 +48,7 @@ def tokenizer_pad_id(cfg: DataConfig) -> int:
     """The pad id of the run's tokenizer: the prepared corpus's end-of-document id (what an export to
     transformers declares as pad_token_id); 0 for a byte-level corpus (no such id) and for data ddptrain
     knows no tokenizer of (data.target, live datasets)."""
-    from ddptrain.data.source import data_source  # the corpus exists: the run prepared it before the loader
+    from ddptrain.data.kinds import data_source  # the corpus exists: the run prepared it before the loader
 
     return data_source(cfg).pad_id()
 

@@ -20,17 +20,20 @@ same quotas (no float rounding can differ).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from ddptrain.errors import ConfigError
 
+log = logging.getLogger(__name__)
 _CACHE_EVERY = 1024  # batches between the running totals kept for random access
 
 
@@ -111,7 +114,8 @@ class MixtureDataset(Dataset[Any]):
         if empty:
             raise ConfigError(f"data.sources: {', '.join(empty)} has no samples")
         self._layout: tuple[int, list[tuple[int, int]]] | None = None
-        self._orders: dict[tuple[int, int], torch.Tensor] = {}
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self._epochs_logged: dict[str, int] = {}
         per_sample = {getattr(p.dataset, "tokens_per_sample", None) for p in parts}
         self.tokens_per_sample = per_sample.pop() if len(per_sample) == 1 else None
 
@@ -140,11 +144,27 @@ class MixtureDataset(Dataset[Any]):
         taken = self.schedule.taken_before(batches)
         return {p.name: n // size for p, n, size in zip(self.parts, taken, self.sizes)}
 
-    def _order(self, source: int, epoch: int) -> torch.Tensor:
+    def stream_record(self, batches: int) -> dict[str, Any]:
+        """For the logged step after `batches` global batches: each source's samples so far (`source_samples`);
+        logs each source that started a new epoch since the last call (a used-up source repeats)."""
+        if not self._epochs_logged:  # the first logged step of this process (maybe a resume): since the step before
+            self._epochs_logged = self.epochs(max(0, batches - 1))
+        for name, epoch in self.epochs(batches).items():
+            if epoch > self._epochs_logged[name]:
+                log.info(
+                    "data source %s starts its epoch %d (a pass over its samples ended) by step %d",
+                    name,
+                    epoch,
+                    batches,
+                )
+            self._epochs_logged[name] = epoch
+        return {"source_samples": self.taken(batches)}
+
+    def _order(self, source: int, epoch: int) -> np.ndarray:
         key = (source, epoch)
         if key not in self._orders:
             if len(self._orders) > 8:  # a worker moves forward: older epochs are not read again
                 self._orders.clear()
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1009 + source)
-            self._orders[key] = torch.randperm(self.sizes[source], generator=g)
+            self._orders[key] = torch.randperm(self.sizes[source], generator=g).numpy()  # numpy: faster to index
         return self._orders[key]

@@ -1,6 +1,6 @@
 """One object per kind of data a run trains on; everything else asks it and never which kind it is.
 
-`data_source(cfg.data, live)` picks the kind (KINDS, first claim wins):
+`data_source(cfg.data, live)` (data/kinds.py) picks the kind (KINDS, first claim wins):
 
   LiveDatasets     datasets passed to `ddptrain.train()` (config.yaml records them as data.live; a
                    command reading that config can rebuild nothing and says what to pass instead)
@@ -9,12 +9,13 @@
   PreparedCorpus   a corpus `ddptrain prepare` wrote into data.dir (meta.json and token shards)
 
 Each answers: prepare(ctx) (every rank, before the datasets; local rank 0 prepares what needs it),
-datasets(block_size) and split(name, block_size), vocab_size(), tokenizer() and tokenizer_dir(),
+datasets(sampling) and split(name, sampling), vocab_size(), tokenizer() and tokenizer_dir(),
 pad_id(), verify(), identity(train, val) (what every rank compares at start, data/identity.py),
 resume_identity() (what a checkpoint records and a resume compares, checkpoint/compat.py) and
 describe() (how messages name it). A corpus's meta.json is read once per source.
 
-A new kind of data is a subclass with its `claims` rule, and one line in KINDS.
+A new kind of data is a subclass with its `claims` rule (in a module of its own), and one line in
+data/kinds.py's KINDS. A mixture (data/mixture_source.py) is built from sources of the other kinds.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from torch.utils.data import Dataset
 
-from ddptrain.config import DataConfig
+from ddptrain.config import Config, DataConfig
 from ddptrain.data.corpus import (
     PrepareOptions,
     corpus_fingerprint,
@@ -54,6 +56,21 @@ DEFAULT_DATA_DIR: str = DataConfig.model_fields["dir"].default
 BYTES = Tokenizer(None, 256, None)  # a byte-level corpus's tokenizer: no file, no separator
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What the datasets of a run depend on beyond the data section: the model's context (a corpus's window),
+    and the global batch and seed a mixture's stream is cut by."""
+
+    block_size: int
+    global_batch: int
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Sampling:
+        """The run's sampling."""
+        return cls(cfg.model.block_size, cfg.train.global_batch_size, cfg.run.seed)
+
+
 class DataSource:
     """The questions every kind of data answers; the defaults fit data ddptrain knows nothing about."""
 
@@ -70,6 +87,11 @@ class DataSource:
         """Whether this kind is the data cfg (and the live object, if any) describes."""
         raise NotImplementedError
 
+    @classmethod
+    def build(cls, cfg: DataConfig, live: LiveData, make: Callable[[DataConfig], DataSource]) -> DataSource:
+        """How data_source() makes one; a kind made of other sources builds them with `make`."""
+        return cls(cfg, live)
+
     def check_can_build(self) -> None:
         """ConfigError (exit 2, one line) when the datasets cannot be built from what this source holds."""
 
@@ -77,16 +99,16 @@ class DataSource:
         """Every rank calls it, in step 3 of run.py; a kind that prepares itself does it here (and may run a
         collective, the same on every rank), waiting at most wait_s for another node's preparation."""
 
-    def datasets(self, block_size: int) -> Datasets:
-        """(train, val or None); block_size is the model's context (the prepared corpus's window)."""
+    def datasets(self, sampling: Sampling) -> Datasets:
+        """(train, val or None) for samples of sampling.block_size tokens (the prepared corpus's window)."""
         raise NotImplementedError
 
-    def split(self, name: str, block_size: int) -> Dataset[Any]:
+    def split(self, name: str, sampling: Sampling) -> Dataset[Any]:
         """One split by name ('train' or 'val'), for `ddptrain eval`."""
         self.check_can_build()
         if name not in ("train", "val"):
             raise ConfigError(f"--split {name!r}: {self.key} gives the splits train and val")
-        train, val = self.datasets(block_size)
+        train, val = self.datasets(sampling)
         if name == "val" and val is None:
             raise DataError(f"{self.named()} returned no validation set")
         return train if name == "train" else val  # type: ignore[return-value]  # val checked above
@@ -152,7 +174,7 @@ class LiveDatasets(DataSource):
                 "or data.live=null data.dir=DIR for a prepared corpus"
             )
 
-    def datasets(self, block_size: int) -> Datasets:
+    def datasets(self, sampling: Sampling) -> Datasets:
         """The datasets given, or what the factory given returns (called with data.kwargs)."""
         self.check_can_build()
         if isinstance(self.live, tuple) or self.live is None:  # None: refused by check_can_build
@@ -193,7 +215,7 @@ class UserFactory(DataSource):
         """data.target is set (and no live object was given)."""
         return cfg.target is not None
 
-    def datasets(self, block_size: int) -> Datasets:
+    def datasets(self, sampling: Sampling) -> Datasets:
         """What the factory returns; ConfigError when that is not (train_dataset, val_dataset_or_None)."""
         return _dataset_pair(import_target(self.describe(), "data.target")(**self.cfg.kwargs), self.named())
 
@@ -232,13 +254,13 @@ class PreparedCorpus(DataSource):
         """meta.json, validated and checked against the shards' sizes; read once (after prepare)."""
         return read_meta(self.dir)
 
-    def datasets(self, block_size: int) -> Datasets:
+    def datasets(self, sampling: Sampling) -> Datasets:
         """The train and val splits as windows of block_size + 1 tokens."""
-        return self.split("train", block_size), self.split("val", block_size)
+        return self.split("train", sampling), self.split("val", sampling)
 
-    def split(self, name: str, block_size: int) -> Dataset[Any]:
+    def split(self, name: str, sampling: Sampling) -> Dataset[Any]:
         """Any split meta.json lists."""
-        return load_split(self.dir, name, block_size, self.meta)
+        return load_split(self.dir, name, sampling.block_size, self.meta)
 
     def vocab_size(self) -> int | None:
         """meta.json's vocabulary size."""
@@ -334,13 +356,3 @@ def _dataset_pair(made: Any, who: str) -> Datasets:
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], Dataset)):
         raise ConfigError(f"{who} must return (train_dataset, val_dataset_or_None)")
     return made
-
-
-# The kinds, asked in this order; the first that claims the config is its data. A new kind: one line here.
-KINDS: tuple[type[DataSource], ...] = (LiveDatasets, UserFactory, DefaultCorpus, PreparedCorpus)
-
-
-def data_source(cfg: DataConfig, live: LiveData = None) -> DataSource:
-    """The source of the data cfg describes (with `live`, what ddptrain.train() was given, if anything)."""
-    kind = next(k for k in KINDS if k.claims(cfg, live))
-    return kind(cfg, live)

@@ -25,7 +25,7 @@ from ddptrain.checks import script_text
 from ddptrain.cli_options import option
 from ddptrain.config import Config
 from ddptrain.data.corpus import corpus_ready
-from ddptrain.data.source import data_source
+from ddptrain.data.kinds import data_source
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
