@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
+from ddptrain.checkpoint.compat import check_resume
+from ddptrain.config import config_from_mapping
+from ddptrain.data.corpus import PrepareOptions, prepare_corpus
+from ddptrain.data.kinds import data_source
 from ddptrain.data.mixture import MixtureDataset, MixturePart, MixtureSchedule
 from ddptrain.data.sampler import ResumableDistributedSampler
-from ddptrain.errors import ConfigError
+from ddptrain.errors import CheckpointError, ConfigError
 
 weights = st.lists(st.floats(0.01, 100, allow_nan=False), min_size=1, max_size=4)
 
@@ -121,3 +127,26 @@ def test_a_batch_is_spread_over_its_sources() -> None:
         assert sorted(half) == [0, 1, 2, 2]
     assert math.isclose(sum(1 for s in sources if s == 2) / 8, 0.5)
     assert torch.equal(torch.tensor([n for s, n in layout if s == 2]), torch.arange(4))
+
+
+def test_a_mixture_of_corpora_with_different_vocabularies_is_refused(tmp_path: Path) -> None:
+    text = Path(argparse.__file__)
+    prepare_corpus([text], tmp_path / "bytes", 0.1)
+    prepare_corpus([text], tmp_path / "bpe", 0.1, PrepareOptions(tokenizer="train:300"))
+    parts = [
+        {"name": "a", "weight": 1, "dir": str(tmp_path / "bytes")},
+        {"name": "b", "weight": 1, "dir": str(tmp_path / "bpe")},
+    ]
+    source = data_source(config_from_mapping({"data": {"sources": parts}}).data)
+    with pytest.raises(ConfigError, match=r"different vocabularies \(a 256, b 300\): a mixture needs one tokenizer"):
+        source.vocab_size()
+    same = data_source(
+        config_from_mapping({"data": {"sources": [parts[0], {**parts[0], "name": "b", "weight": 3}]}}).data
+    )
+    assert same.vocab_size() == 256
+    other_weights = data_source(config_from_mapping({"data": {"sources": [parts[0], {**parts[0], "name": "b"}]}}).data)
+    assert same.resume_identity() != other_weights.resume_identity()  # a resume with other weights is refused
+    with pytest.raises(CheckpointError, match=r"data.sources \(a 1.0, b 3.0 -> a 1.0, b 1.0\)"):
+        check_resume(
+            "step-00000004", {}, {"data": same.resume_identity()}, {}, {"data": other_weights.resume_identity()}
+        )

@@ -75,6 +75,14 @@ def _model_conflicts(
     return out
 
 
+def _parts(mixture: dict[str, Any]) -> str:
+    parts = mixture.get("parts")
+    described = (
+        [f"{p.get('name')} {p.get('weight')}" for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    )
+    return ", ".join(described) or "?"
+
+
 def _data_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if saved == now or "live" in (saved.get("source"), now.get("source")):
         return []  # live dataset objects have no identity ddptrain can check
@@ -82,6 +90,8 @@ def _data_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         return [f"data.target ({_short(saved.get('target'))} -> {_short(now.get('target'))})"]
     if saved.get("source") == "target":
         return [ConfigChange("data.kwargs", saved.get("kwargs"), now.get("kwargs")).describe()]
+    if saved.get("source") == "mixture":  # the saved position names other samples under other parts or weights
+        return [f"data.sources ({_parts(saved)} -> {_parts(now)})"]
     return [f"data.dir (corpus SHA-256 {str(saved.get('sha256'))[:12]} -> {str(now.get('sha256'))[:12]})"]
 
 
