@@ -29,6 +29,20 @@ class MixtureSourceConfig(Section):
         return self
 
 
+class HFDataConfig(Section):
+    files: list[LineText] = Field(
+        min_length=1,
+        description="Files, folders or globs: Parquet, Arrow, JSON Lines, or a folder saved by datasets' save_to_disk.",
+    )
+    split: LineText | None = Field(
+        None, description="For a folder saved from a DatasetDict (several splits): the split to train on."
+    )
+    text_field: LineText = Field("text", description="The column (or JSON Lines field) holding the text.")
+    tokenizer: LineText = Field(
+        "bytes", description="As `ddptrain prepare --tokenizer`: bytes, a tokenizer.json, train:VOCAB."
+    )
+
+
 class DataConfig(Section):
     target: str | None = Field(
         None,
@@ -48,6 +62,10 @@ class DataConfig(Section):
     dir: LineText = Field(
         "data/stdlib", description="Folder holding the prepared corpus (train.bin, val.bin, meta.json)."
     )
+    hf: HFDataConfig | None = Field(
+        None,
+        description="Hugging Face-format data read offline ({files, split, text_field, tokenizer}): prepared on first use into data.dir (set it to a folder of its own), then trained on as a prepared corpus.",
+    )
     sources: list[MixtureSourceConfig] = Field(
         default_factory=list,
         description="A weighted mixture instead of one source: a list of {name, weight, dir | target, kwargs}; every global batch holds each source's share within one sample (docs/data.md). Empty: data.target or data.dir.",
@@ -62,8 +80,13 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source_or_a_mixture(self) -> DataConfig:
-        if self.sources and self.target is not None:
-            raise ValueError("data.sources and data.target both name the data: keep one")
+        named = [key for key, value in (("target", self.target), ("hf", self.hf), ("sources", self.sources)) if value]
+        if len(named) > 1:
+            raise ValueError(f"data.{' and data.'.join(named)} all name the data: keep one")
+        if self.hf is not None and self.dir == type(self).model_fields["dir"].default:
+            raise ValueError(
+                f"data.hf prepares its shards into data.dir: set data.dir to a folder of its own, not {self.dir}"
+            )
         names = [source.name for source in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"data.sources names must differ: {', '.join(names)}")

@@ -6,11 +6,12 @@ A new kind of data is its own DataSource subclass and one line in KINDS.
 from __future__ import annotations
 
 from ddptrain.config import DataConfig
+from ddptrain.data.hf_source import HFData
 from ddptrain.data.mixture_source import Mixture
 from ddptrain.data.source import DataSource, DefaultCorpus, LiveData, LiveDatasets, PreparedCorpus, UserFactory
 
 # The kinds, asked in this order; the first that claims the config is its data.
-KINDS: tuple[type[DataSource], ...] = (LiveDatasets, Mixture, UserFactory, DefaultCorpus, PreparedCorpus)
+KINDS: tuple[type[DataSource], ...] = (LiveDatasets, Mixture, UserFactory, HFData, DefaultCorpus, PreparedCorpus)
 
 
 def data_source(cfg: DataConfig, live: LiveData = None) -> DataSource:

@@ -311,16 +311,23 @@ class PreparedCorpus(DataSource):
         return self.cfg.dir
 
 
-class DefaultCorpus(PreparedCorpus):
-    """The embedded default corpus (the Python standard library's sources), prepared on first use."""
+class CorpusPreparedOnFirstUse(PreparedCorpus):
+    """A prepared corpus the run itself prepares into data.dir when it is not there (or not from these inputs)."""
 
-    kind = "default"
     prepares_itself = True
+    what: ClassVar[str]  # how the log names it
 
-    @classmethod
-    def claims(cls, cfg: DataConfig, live: LiveData) -> bool:
-        """data.dir is the default folder."""
-        return cfg.dir == DEFAULT_DATA_DIR
+    def inputs(self) -> list[Path]:
+        """The files to prepare."""
+        raise NotImplementedError
+
+    def options(self, wait_s: float) -> PrepareOptions:
+        """How to prepare them (tokenizer, text field), waiting at most wait_s for another preparer."""
+        return PrepareOptions(wait_s=wait_s)
+
+    def ready(self, folder: Path) -> bool:
+        """Whether folder already holds this corpus (then nothing is prepared)."""
+        return corpus_ready(folder)
 
     def prepare(self, ctx: DistContext, wait_s: float) -> None:
         """Local rank 0 of each node prepares the corpus when it is not there; the others wait.
@@ -331,24 +338,39 @@ class DefaultCorpus(PreparedCorpus):
         Collective: one all-reduce.
         """
         failure: DdptrainError | None = None
-        if ctx.local_rank == 0 and not corpus_ready(self.dir):
+        if ctx.local_rank == 0 and not self.ready(self.dir):
             if ctx.is_main:
-                log.info("preparing the default corpus (Python standard library sources) into %s", self.dir)
+                log.info("preparing %s into %s", self.what, self.dir)
             try:
-                options = PrepareOptions(wait_s=wait_s)
-                prepare_corpus(stdlib_sources(), self.dir, self.cfg.val_fraction, options, reuse=corpus_ready)
+                prepare_corpus(self.inputs(), self.dir, self.cfg.val_fraction, self.options(wait_s), reuse=self.ready)
             except DdptrainError as e:
                 failure = e
             except OSError as e:  # the user's folder or disk (read-only, full): prepare_corpus raises no other
-                failure = DataError(f"cannot prepare the default corpus in {self.dir}: {e.strerror or e}")
+                failure = DataError(f"cannot prepare {self.what} in {self.dir}: {e.strerror or e}")
         # Every rank learns the worst outcome (0, or an exit code) and fails with it: nobody waits on a rank that
         # gave up, and every rank exits alike (bad input 2, never restarted; a lost lock or a timeout 1).
         worst = max_over_ranks(ctx, failure.exit_code if failure else 0)
         if failure is not None and failure.exit_code == worst:
             raise failure
         if worst:
-            elsewhere = f"preparing the default corpus in {self.dir} failed on another rank"
+            elsewhere = f"preparing {self.what} in {self.dir} failed on another rank"
             raise DataError(elsewhere) if worst == DataError.exit_code else DdptrainError(elsewhere)
+
+
+class DefaultCorpus(CorpusPreparedOnFirstUse):
+    """The embedded default corpus (the Python standard library's sources), prepared on first use."""
+
+    kind = "default"
+    what = "the default corpus (Python standard library sources)"
+
+    @classmethod
+    def claims(cls, cfg: DataConfig, live: LiveData) -> bool:
+        """data.dir is the default folder."""
+        return cfg.dir == DEFAULT_DATA_DIR
+
+    def inputs(self) -> list[Path]:
+        """The standard library's .py files."""
+        return stdlib_sources()
 
 
 def _dataset_pair(made: Any, who: str) -> Datasets:

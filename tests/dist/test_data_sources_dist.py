@@ -1,4 +1,4 @@
-"""A mixture of 3 sources under torchrun: killed at 2 ranks, resumed at 1 and then 3, loses and repeats no sample."""
+"""Data sources under torchrun: a mixture of 3 killed at 2 ranks and resumed at 1 and 3 loses and repeats no sample; data.hf."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess, read_metrics, run_ddptrain
+from helpers import TESTS_DIR, TINY, env_for_subprocess, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -90,3 +90,16 @@ def test_ranks_given_different_mixture_weights_stop_before_the_first_step(tmp_pa
     assert len(errors) == 2, r.stderr[-3000:]
     assert all("rank 1 (" in line for line in errors), errors
     assert not (tmp_path / "ids").exists()  # not one sample trained
+
+
+@pytest.mark.timeout(180)
+def test_a_parquet_file_written_by_the_test_trains_on_two_ranks(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [f"def f{i}(x):\n    return x * {i}\n" * 8 for i in range(300)]
+    pq.write_table(pa.table({"content": rows}), tmp_path / "code.parquet", row_group_size=50)
+    hf = f"data.hf={{files: [{tmp_path / 'code.parquet'}], text_field: content}}"
+    r = run_ddptrain(["train", *TINY, hf, f"data.dir={tmp_path / 'corpus'}", f"run.dir={tmp_path / 'run'}"], nproc=2)
+    assert r.returncode == 0, r.stderr
+    assert f"preparing the data.hf files into {tmp_path / 'corpus'}" in r.stdout + r.stderr
+    assert len(read_metrics(tmp_path / "run")) == 6  # TINY's 6 steps, each logged
