@@ -119,7 +119,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         for gen in (small, large)
     ]
 
-    stall_rows, stall_data = data.run(dataclasses.replace(opts, data_dir=bpe_dir))
+    stall_rows, stall_data = data.measure(dataclasses.replace(opts, data_dir=bpe_dir), "data-run", [], "")
     stall = next(r for r in stall_rows if r.unit == "%")
     shutil.rmtree(work, ignore_errors=True)
     rows = [

@@ -3,17 +3,21 @@
 live      a live nn.Module and live datasets (examples/regression's, built here)
 factory   the factories themselves (importable: regression:build_model, regression:build_datasets)
 gpt       a live built-in GPT on the prepared corpus CORPUS
+live-data the built-in GPT of the config, given as a Config object, trained on live datasets (CORPUS's
+          splits, built here); prints whether that Config is as it was after the run
 Prints the RunResult's val_loss on the last line.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import regression  # examples/regression, on PYTHONPATH
 
 import ddptrain
-from ddptrain.config import ModelConfig
+from ddptrain.config import ModelConfig, config_from_mapping
+from ddptrain.data.dataset import load_token_datasets
 from ddptrain.models.gpt import GPT
 
 SMALL = {"dim": 4, "hidden": 16, "depth": 1}
@@ -35,6 +39,12 @@ def main(mode: str, run_dir: str, corpus: str = "") -> None:
     elif mode == "factory":
         config["model"], config["data"]["kwargs"] = {"kwargs": SMALL}, DATA
         result = ddptrain.train(config, model=regression.build_model, datasets=regression.build_datasets)
+    elif mode == "live-data":
+        config["model"] = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+        cfg = config_from_mapping(config)
+        before = cfg.model_dump()
+        result = ddptrain.train(cfg, datasets=load_token_datasets(Path(corpus), 32))
+        print(f"config unchanged {cfg.model_dump() == before}")
     else:
         gpt = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
         config["data"]["dir"] = corpus

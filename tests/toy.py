@@ -34,24 +34,51 @@ def build_datasets(n: int = 256, dim: int = 8) -> tuple[Dataset, Dataset]:
     return IdDataset(n, dim, seed=0), IdDataset(64, dim, seed=1)
 
 
+class TaggedIdDataset(IdDataset):
+    """IdDataset whose sample i has id tag * 1000 + i: a mixture's records show which source gave it."""
+
+    def __init__(self, tag: int, n: int, dim: int) -> None:
+        super().__init__(n, dim, seed=tag)
+        self.tag = tag
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _, x, y = super().__getitem__(i)
+        return torch.tensor(self.tag * 1000 + i), x, y
+
+
+def build_tagged_datasets(tag: int, n: int, dim: int = 8) -> tuple[Dataset, Dataset]:
+    """Source `tag` of a mixture (n training samples, 8 validation samples)."""
+    return TaggedIdDataset(tag, n, dim), TaggedIdDataset(tag, 8, dim)
+
+
 class RecordingRegressor(nn.Module):
-    def __init__(self, dim: int, record_dir: str | None) -> None:
+    """Records the ids it trains on; with die_at, rank 0 SIGKILLs itself at its die_at-th training forward,
+    once (the marker file remembers), before recording that micro-batch."""
+
+    def __init__(self, dim: int, record_dir: str | None, die_at: int = 0, marker: str = "") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
         self.record = None
         if record_dir:
             Path(record_dir).mkdir(parents=True, exist_ok=True)
             self.record = Path(record_dir) / f"ids-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.txt"
+        self.armed = die_at > 0 and os.environ.get("RANK", "0") == "0" and not Path(marker).exists()
+        self.die_at, self.marker, self.calls = die_at, Path(marker), 0
 
     def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.armed and self.calls == self.die_at:
+                self.marker.write_text(str(self.calls))
+                os.kill(os.getpid(), signal.SIGKILL)
         if self.record is not None and self.training:
             with open(self.record, "a") as f:
                 f.write(" ".join(map(str, ids.tolist())) + "\n")
         return nn.functional.mse_loss(self.net(x), y)
 
 
-def build_model(dim: int = 8, record_dir: str | None = None) -> nn.Module:
-    return RecordingRegressor(dim, record_dir)
+def build_model(dim: int = 8, record_dir: str | None = None, die_at: int = 0, marker: str = "") -> nn.Module:
+    return RecordingRegressor(dim, record_dir, die_at, marker)
 
 
 class KillableGPT(nn.Module):

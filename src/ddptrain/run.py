@@ -8,7 +8,8 @@ would deadlock the job):
  1. distributed context      init_distributed: rendezvous, the training group, host names
  2. run folder               rank 0 takes the folder's lease (one writer per run.dir) and
                              every rank learns the outcome (a broadcast)
- 3. data                     the default corpus (local rank 0 prepares, max_over_ranks agrees), datasets
+ 3. data                     the data source (data/source.py) prepares itself: the default corpus's local
+                             rank 0 prepares it, max_over_ranks agrees; then the datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
  4. model                    seeded identically on every rank, wrapped (train/parallel.py): DDP broadcasts
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed
-from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.compat import run_identity
@@ -44,16 +44,14 @@ from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.formats.base import CheckpointFormat
 from ddptrain.checkpoint.formats.registry import checkpoint_format
 from ddptrain.checkpoint.lease import LeaseHeld, RunLease
-from ddptrain.config import Config, DataConfig, config_from_mapping, load_config
-from ddptrain.data import build_datasets
+from ddptrain.config import Config, config_from_mapping, load_config
 from ddptrain.data.collate import check_collate
-from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta, stdlib_sources
-from ddptrain.data.identity import agree_on_data, corpus_identity, datasets_identity
-from ddptrain.dist import DistContext, close_distributed, init_distributed, max_over_ranks, read_torchrun_env
+from ddptrain.data.identity import agree_on_data
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import DataSource, LiveData, Sampling
+from ddptrain.dist import DistContext, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import (
     CheckpointSaveError,
-    DataError,
-    DdptrainError,
     Interrupted,
     LeaseLost,
     NonFiniteError,
@@ -70,7 +68,7 @@ from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
 from ddptrain.run_folder import checkpoints_dir, config_file, export_dir, report_dir, stacks_dir
-from ddptrain.run_sources import DataSource, ModelSource, live_datasets, live_model, settle_sources
+from ddptrain.run_sources import ModelSource, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.parallel import wrap_model
@@ -81,7 +79,6 @@ from ddptrain.train.start import resume_or_start, say
 from ddptrain.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
-DEFAULT_DATA_DIR = DataConfig.model_fields["dir"].default
 
 ConfigSource = Config | Mapping[str, Any] | str | Path | None
 
@@ -218,7 +215,7 @@ def build_run(
     cfg: Config,
     ctx: DistContext,
     model: ModelSource = None,
-    datasets: DataSource = None,
+    datasets: LiveData = None,
     trainer_cls: type[Trainer] = Trainer,
     timeline: RecoveryTimeline | None = None,
 ) -> Run:
@@ -231,10 +228,11 @@ def build_run(
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
     check_collate(cfg.data)  # and a data.collate that does not import
-    model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
+    cfg, model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
+    source = data_source(cfg.data, datasets)
     lease, tag = take_lease(run_dir, ctx)
     try:
-        return _build(cfg, ctx, (lease, tag), writer, model, datasets, trainer_cls, timeline)
+        return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -274,21 +272,18 @@ def _build(
     leased: tuple[RunLease | None, str],
     writer: CheckpointFormat,
     model: ModelSource,
-    datasets: DataSource,
+    source: DataSource,
     trainer_cls: type[Trainer],
     timeline: RecoveryTimeline | None,
 ) -> Run:
     run_dir, (lease, tag) = cfg.run_dir, leased
-    live_data = datasets is not None
-    data_vocab = None
-    if datasets is None:
-        ensure_default_corpus(cfg, ctx)
-        data_vocab = read_meta(Path(cfg.data.dir))["vocab_size"] if cfg.data.target is None else None
-        cfg.model = fit_vocab_to_data(cfg.model, data_vocab)  # the built-in GPT takes the data's vocabulary
+    source.prepare(ctx, wait_s=cfg.dist.timeout_s / 2)
+    data_vocab = source.vocab_size()
+    # The built-in GPT takes the data's vocabulary: a new config, the caller's stays as it was.
+    cfg = cfg.model_copy(update={"model": fit_vocab_to_data(cfg.model, data_vocab)})
     seed_everything(cfg.run.seed)
-    given = live_datasets(cfg, datasets)
-    train_set, val_set = build_datasets(cfg) if given is None else given
-    agree_on_data(ctx, _data_identity(cfg, train_set, val_set, live=live_data))
+    train_set, val_set = source.datasets(Sampling.of(cfg))
+    agree_on_data(ctx, source.identity(train_set, val_set))
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
@@ -299,7 +294,7 @@ def _build(
     config = cfg.model_dump(mode="json", by_alias=True)
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
     checkpointer = Checkpointer(
-        cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer, tag, lost
+        cfg.ckpt, run_dir, ctx, config, run_identity(source.resume_identity(), module), writer, tag, lost
     )
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
@@ -328,43 +323,6 @@ def _write_config(cfg: Config) -> None:
         raise UserError(f"cannot write the run folder {cfg.run_dir}: {e.strerror or e}") from None
 
 
-def _data_identity(cfg: Config, train_set: Dataset[Any], val_set: Dataset[Any] | None, live: bool) -> dict[str, Any]:
-    if cfg.data.target is None and not live:
-        return corpus_identity(Path(cfg.data.dir))
-    return datasets_identity(train_set, val_set, None if live else cfg.data.target)
-
-
-def ensure_default_corpus(cfg: Config, ctx: DistContext) -> None:
-    """Prepare the embedded default corpus on first use (local rank 0 of each node; the others wait).
-
-    Nodes sharing a filesystem (a shared home) take turns through the folder's prepare lock and the
-    later ones reuse the corpus the first published; a node waits at most half of dist.timeout_s (the
-    other ranks wait for it in the all-reduce below, bounded by that timeout).
-    """
-    if cfg.data.target is not None or cfg.data.dir != DEFAULT_DATA_DIR:
-        return
-    data_dir = Path(cfg.data.dir)
-    failure: DdptrainError | None = None
-    if ctx.local_rank == 0 and not corpus_ready(data_dir):
-        if ctx.is_main:
-            log.info("preparing the default corpus (Python standard library sources) into %s", data_dir)
-        try:
-            options = PrepareOptions(wait_s=cfg.dist.timeout_s / 2)
-            prepare_corpus(stdlib_sources(), data_dir, cfg.data.val_fraction, options, reuse=corpus_ready)
-        except DdptrainError as e:
-            failure = e
-        except OSError as e:  # the user's folder or disk (read-only, full): prepare_corpus raises no other
-            failure = DataError(f"cannot prepare the default corpus in {data_dir}: {e.strerror or e}")
-    # Every rank learns the worst outcome (0, or an exit code) and fails with it: nobody waits on a rank that
-    # gave up, and every rank exits alike (bad input 2, never restarted; a lost lock or a timeout 1).
-    worst = max_over_ranks(ctx, failure.exit_code if failure else 0)
-    if failure is not None and failure.exit_code == worst:
-        raise failure
-    if worst:
-        elsewhere = f"preparing the default corpus in {data_dir} failed on another rank"
-        raise DataError(elsewhere) if worst == DataError.exit_code else DdptrainError(elsewhere)
-
-
 @contextmanager
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
@@ -382,7 +340,7 @@ def train(
     config: ConfigSource = None,
     *,
     model: ModelSource = None,
-    datasets: DataSource = None,
+    datasets: LiveData = None,
     overrides: Sequence[str] = (),
 ) -> RunResult:
     """Train per the config on this process's share of the job (one process, or one rank under torchrun).
@@ -397,7 +355,7 @@ def train(
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
-    model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
+    cfg, model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
     watch = AgentWatch.under_agent()  # a worker of torchrun's agent stops when the agent dies
     try:
         with (

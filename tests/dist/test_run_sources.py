@@ -1,7 +1,7 @@
 """Python-API runs stay usable: config.yaml says where the model and data came from, or that they were live.
 
 A run given live objects is refused by eval/export/generate with exit 2 and one line naming the key to
-set (never a load_state_dict traceback); one given importable factories records them as targets, and a
+set or the option to pass (never a load_state_dict traceback), and works once it is given; one given importable factories records them as targets, and a
 live built-in GPT as the built-in GPT, so `ddptrain eval` rebuilds both and repeats the trainer's val_loss.
 """
 
@@ -30,13 +30,18 @@ def regression_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REGRESSION))  # the in-process commands import the factories too
 
 
-def train_through_api(mode: str, run_dir: Path, *args: str) -> float:
-    """Run tests/api_sources_worker.py in a process of its own; the val_loss its RunResult reports."""
+def api_output(mode: str, run_dir: Path, *args: str) -> list[str]:
+    """Run tests/api_sources_worker.py in a process of its own; the lines it printed."""
     env = env_for_subprocess({"PYTHONPATH": f"{REGRESSION}:{TESTS_DIR}:{env_for_subprocess()['PYTHONPATH']}"})
     cmd = [sys.executable, str(TESTS_DIR / "api_sources_worker.py"), mode, str(run_dir), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return float(done.stdout.splitlines()[-1].removeprefix("val_loss "))
+    return done.stdout.splitlines()
+
+
+def train_through_api(mode: str, run_dir: Path, *args: str) -> float:
+    """The val_loss the worker's RunResult reports."""
+    return float(api_output(mode, run_dir, *args)[-1].removeprefix("val_loss "))
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -75,8 +80,10 @@ def test_live_objects_are_recorded_and_every_command_names_what_to_pass(
     )
     assert not (tmp_path / "x").exists()
     assert "generate works with the built-in GPT only" in refused(["generate", str(run)], capsys)
+    weights = tmp_path / "weights.safetensors"
+    assert main(["export", str(run), "--out", str(weights)]) == 0 and weights.is_file()  # the weights need nothing
     assert "ddptrain train: error: model.live=" in refused(["train", "-c", str(run / "config.yaml")], capsys)
-    assert folder_bytes(run) == before  # a refused command leaves the run folder as it was
+    assert folder_bytes(run) == before  # a refused or exporting command leaves the run folder as it was
     # Named on the command line, the same model and data give the trainer's number.
     assert evaluated(["eval", str(run), *MODEL, *DATA, "--batches", "2"], capsys) == pytest.approx(val_loss, abs=2e-6)
 
@@ -103,3 +110,29 @@ def test_a_live_built_in_gpt_is_recorded_as_the_built_in_gpt(
     assert saved["model"]["live"] is None and saved["model"]["n_embd"] == 32 and saved["model"]["n_layer"] == 1
     assert evaluated(["eval", str(run), "--batches", "2"], capsys) == pytest.approx(val_loss, abs=2e-6)
     assert main(["generate", str(run), "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.timeout(180)
+def test_live_datasets_for_the_built_in_gpt_ask_for_the_corpus_or_work(
+    corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "live-data"
+    lines = api_output("live-data", run, str(corpus_dir))
+    assert "config unchanged True" in lines  # the caller's Config: data.live went into a copy
+    val_loss = float(lines[-1].removeprefix("val_loss "))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"]["live"] == "ddptrain.data.dataset:TokenDataset, ddptrain.data.dataset:TokenDataset"
+    before = folder_bytes(run)
+
+    assert "add data.target=pkg.module:factory" in refused(["eval", str(run)], capsys)
+    assert "pass --data-dir DIR" in refused(["generate", str(run)], capsys)
+    hf_out = tmp_path / "hf"
+    assert "pass --data-dir DIR" in refused(["export", str(run), "--format", "hf", "--out", str(hf_out)], capsys)
+    assert not hf_out.exists() and folder_bytes(run) == before
+    # What each asked for makes it work: the corpus the live datasets were cut from.
+    corpus = ["data.live=null", f"data.dir={corpus_dir}"]
+    assert evaluated(["eval", str(run), *corpus, "--batches", "2"], capsys) == pytest.approx(val_loss, abs=2e-6)
+    assert main(["generate", str(run), "--data-dir", str(corpus_dir), "--max-new-tokens", "4"]) == 0
+    assert main(["export", str(run), "--format", "hf", "--data-dir", str(corpus_dir), "--out", str(hf_out)]) == 0
+    assert (hf_out / "tokenizer.json").is_file()
+    assert main(["export", str(run), "--out", str(tmp_path / "w.safetensors")]) == 0

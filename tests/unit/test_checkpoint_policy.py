@@ -8,6 +8,7 @@ import torch.nn as nn
 from ddptrain.checkpoint.compat import check_resume, run_identity
 from ddptrain.checkpoint.policy import SavePolicy, SaveResult
 from ddptrain.config import CkptConfig
+from ddptrain.data.kinds import data_source
 from ddptrain.errors import CheckpointError, CheckpointSaveError
 
 
@@ -49,7 +50,10 @@ def cfg(*overrides: str) -> dict:
 
 
 def identity(config: dict, width: int = 8) -> dict:
-    return run_identity(config, nn.Linear(width, 2), live_datasets=False)
+    from ddptrain.config import config_from_mapping
+
+    data = data_source(config_from_mapping(config).data).resume_identity()
+    return run_identity(data, nn.Linear(width, 2))
 
 
 def test_identity_changes_are_refused_naming_each_key() -> None:

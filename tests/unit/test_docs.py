@@ -291,6 +291,8 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain k8s -c examples/gpt-small\.yaml --nodes 4 --gpus-per-node 8 --image", check_runs_and_prints_documents),
     (r"^ddptrain prepare \"\$STDLIB/", "trains a BPE tokenizer on the standard library: tests/unit/test_prepare.py"),
     (r"^ddptrain prepare FILES/", "a synopsis with placeholders: tests/unit/test_prepare.py runs prepare"),
+    (r"^ddptrain prepare 'docs/\*\.md' README\.md ", "prepares the docs as text: tests/unit/test_prepare.py runs prepare"),
+    (r"^ddptrain train -c mix\.yaml$", "trains a mixture: tests/dist/test_mixture_dist.py trains and resumes one"),
     (
         r"^ddptrain (eval|export) (runs/llama|RUN_DIR) |^torchrun --nproc-per-node 2 -m ddptrain eval ",
         "the Hugging Face walk-through on a trained Llama run: tests/dist/test_real_models.py",

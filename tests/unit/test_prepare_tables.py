@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.cli import main
+from ddptrain.config import config_from_mapping
 from ddptrain.data.corpus import PrepareOptions, expand_sources, prepare_corpus, read_meta
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import Sampling
 from ddptrain.data.sources import plan_tasks
-from ddptrain.errors import DataError
+from ddptrain.dist import DistContext
+from ddptrain.errors import ConfigError, DataError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -104,3 +109,47 @@ def test_the_command_exits_2_naming_the_missing_column(tmp_path: Path, capsys: p
     assert not (tmp_path / "out" / "meta.json").exists()
     assert main(["prepare", str(paths["parquet"]), "--text-field", "body", "--out", str(tmp_path / "out")]) == 0
     assert "prepared 1 files (1 documents)" in capsys.readouterr().out
+
+
+def test_data_hf_prepares_on_first_use_and_again_when_its_files_change(tmp_path: Path) -> None:
+    paths = write_tables(tmp_path / "in", [f"row {i} " * 60 for i in range(40)], 8)
+    corpus = tmp_path / "corpus"
+    hf = {"files": [str(paths["parquet"])], "text_field": "body"}
+    source = data_source(config_from_mapping({"data": {"dir": str(corpus), "hf": hf}}).data)
+    assert source.kind == "hf"
+    source.prepare(DistContext(), wait_s=10)
+    first = shard_hashes(corpus)
+    published = (corpus / "meta.json").stat().st_mtime_ns
+    source.prepare(DistContext(), wait_s=10)  # the same files: nothing prepared again
+    assert (corpus / "meta.json").stat().st_mtime_ns == published
+    write_tables(tmp_path / "in", [f"other {i} " * 60 for i in range(40)], 8)
+    again = data_source(config_from_mapping({"data": {"dir": str(corpus), "hf": hf}}).data)
+    again.prepare(DistContext(), wait_s=10)
+    assert shard_hashes(corpus) != first
+    train, val = again.datasets(Sampling(block_size=32, global_batch=8, seed=0))
+    assert len(train) > 0 and val is not None and again.vocab_size() == 256  # type: ignore[arg-type]
+
+
+def test_data_hf_reads_a_split_of_a_saved_dataset_dict(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"text": [f"line {i} " * 50 for i in range(60)]})
+    datasets.DatasetDict({"train": rows, "test": rows.select(range(5))}).save_to_disk(str(tmp_path / "saved"))
+    cfg = {"dir": str(tmp_path / "corpus"), "hf": {"files": [str(tmp_path / "saved")]}}
+    with pytest.raises(DataError, match=r"holds several splits: set data.hf.split \(e.g. train\)"):
+        data_source(config_from_mapping({"data": cfg}).data).prepare(DistContext(), wait_s=10)
+    cfg["hf"]["split"] = "train"  # type: ignore[index]
+    data_source(config_from_mapping({"data": cfg}).data).prepare(DistContext(), wait_s=10)
+    assert read_meta(tmp_path / "corpus")["files"] == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"hf": {"files": ["x.parquet"]}}, "data.hf prepares its shards into data.dir: set data.dir"),
+        ({"dir": "d", "hf": {"files": ["x.parquet"]}, "target": "m:f"}, "data.target and data.hf all name the data"),
+        ({"dir": "d", "hf": {"files": []}}, "data.hf.files: List should have at least 1 item"),
+    ],
+)
+def test_data_hf_settings_that_cannot_work_are_refused(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_mapping({"data": data})

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
-from ddptrain.data.corpus import corpus_fingerprint
-from ddptrain.data.meta import read_meta_file
-from ddptrain.errors import CheckpointError, DataError
+from ddptrain.errors import CheckpointError
 
 GPT_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 _STREAM_KEYS = (("train", "global_batch_size"), ("run", "seed"))
@@ -43,26 +40,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def run_identity(config: dict[str, Any], model: nn.Module, live_datasets: bool) -> dict[str, Any]:
-    """What the checkpoints of this run must agree with at resume: the data's identity and the parameters' shapes."""
-    return {
-        "data": data_identity(config, live_datasets),
-        "model": {name: list(t.shape) for name, t in model.state_dict().items()},
-    }
-
-
-def data_identity(config: dict[str, Any], live_datasets: bool) -> dict[str, Any]:
-    """The corpus's SHA-256 (from meta.json), the dataset factory and its kwargs, or 'live' for objects passed in."""
-    data = config.get("data", {})
-    if live_datasets:
-        return {"source": "live"}
-    if data.get("target"):
-        return {"source": "target", "target": data["target"], "kwargs": data.get("kwargs", {})}
-    try:  # the same bounded, non-blocking, validated read as the data's own
-        sha = corpus_fingerprint(read_meta_file(Path(data.get("dir", ""))))
-    except (DataError, OSError):
-        sha = None
-    return {"source": "corpus", "sha256": sha}
+def run_identity(data: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """What the checkpoints of this run must agree with at resume: the data's identity (its source's
+    resume_identity(), data/source.py: the corpus's SHA-256, the dataset factory and its kwargs, or 'live'
+    for objects passed in) and the parameters' shapes."""
+    return {"data": data, "model": {name: list(t.shape) for name, t in model.state_dict().items()}}
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +75,14 @@ def _model_conflicts(
     return out
 
 
+def _parts(mixture: dict[str, Any]) -> str:
+    parts = mixture.get("parts")
+    described = (
+        [f"{p.get('name')} {p.get('weight')}" for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    )
+    return ", ".join(described) or "?"
+
+
 def _data_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if saved == now or "live" in (saved.get("source"), now.get("source")):
         return []  # live dataset objects have no identity ddptrain can check
@@ -100,6 +90,8 @@ def _data_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         return [f"data.target ({_short(saved.get('target'))} -> {_short(now.get('target'))})"]
     if saved.get("source") == "target":
         return [ConfigChange("data.kwargs", saved.get("kwargs"), now.get("kwargs")).describe()]
+    if saved.get("source") == "mixture":  # the saved position names other samples under other parts or weights
+        return [f"data.sources ({_parts(saved)} -> {_parts(now)})"]
     return [f"data.dir (corpus SHA-256 {str(saved.get('sha256'))[:12]} -> {str(now.get('sha256'))[:12]})"]
 
 

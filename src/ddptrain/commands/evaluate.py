@@ -1,9 +1,9 @@
 """`ddptrain eval RUN_DIR`: the loss of a checkpoint, the same number the trainer logged as val_loss.
 
 The model and data are rebuilt from the checkpoint's config (plus command-line overrides): the
-built-in GPT, model.hf or model.target; the prepared corpus in data.dir or data.target's datasets.
-A run whose model or data were live objects passed to `ddptrain.train()` exits 2 saying which key to
-add (models.require_model_source, data.require_data_source). The samples and the mean are
+built-in GPT, model.hf or model.target; the data's source (data/source.py: the prepared corpus in
+data.dir, data.target's datasets). A run whose model or data were live objects passed to
+`ddptrain.train()` exits 2 saying which key to add (models.require_model_source, the live source). The samples and the mean are
 train/evaluation.py's, so `--batches` equal to the run's `train.eval_batches` gives its val_loss at
 any world size.
 """
@@ -73,15 +73,13 @@ def model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[C
 
 
 def tokenizer_dir(cfg: Config, data_dir: str | None) -> Path | None:
-    """The corpus whose tokenizer an export carries: --data-dir, else the run's data.dir (None for data.target)."""
+    """The corpus whose tokenizer an export carries: --data-dir, else the run's data source's (None when it has
+    none; ConfigError naming --data-dir when ddptrain cannot know it)."""
+    from ddptrain.data.kinds import data_source
+
     if data_dir is not None:
         return existing_dir("--data-dir", Path(data_dir))
-    if cfg.data.live is not None and cfg.data.target is None:
-        raise ConfigError(
-            f"data.live={cfg.data.live!r}: the run trained on live datasets passed to ddptrain.train(), whose "
-            "tokenizer ddptrain does not know; pass --data-dir DIR (the prepared corpus the model's tokens come from)"
-        )
-    return Path(cfg.data.dir) if cfg.data.target is None else None
+    return data_source(cfg.data).tokenizer_dir()
 
 
 def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, overrides: Sequence[str]) -> str | None:
@@ -118,15 +116,13 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
         close_distributed(ctx)
 
 
-def _check_corpus(cfg: Config, model: torch.nn.Module, data_dir: Path) -> None:
-    """DataError, as training raises it, when the corpus's vocabulary exceeds the model's or its bytes do not
-    match its meta.json (data/verify.py): the model would index past its embedding (an IndexError, exit 1)."""
-    from ddptrain.data.corpus import read_meta
-    from ddptrain.data.verify import verify_corpus
+def _check_vocab(cfg: Config, model: torch.nn.Module, vocab: int | None) -> None:
+    """DataError, as training raises it, when the data's vocabulary exceeds the model's: the model would index
+    past its embedding (an IndexError, exit 1)."""
     from ddptrain.models import fit_vocab_to_data
 
-    meta = read_meta(data_dir)
-    vocab = meta["vocab_size"]
+    if vocab is None:
+        return
     if cfg.model.target is None and cfg.model.hf is None:
         # The checkpoint's config sets model.vocab_size, so this is train's check and its message.
         fit_vocab_to_data(cfg.model, vocab)
@@ -134,25 +130,18 @@ def _check_corpus(cfg: Config, model: torch.nn.Module, data_dir: Path) -> None:
         model_vocab = getattr(model, "vocab_size", None)  # model.hf's wrapper has it; a model.target's may not
         if isinstance(model_vocab, int) and model_vocab < vocab:
             raise DataError(f"the model has a vocabulary of {model_vocab}, smaller than the data's ({vocab})")
-    verify_corpus(data_dir, meta)
 
 
 def _eval_split(cfg: Config, split: str, model: torch.nn.Module) -> tuple[Any, str]:
-    """(the dataset of split, what it is): the prepared corpus's split (checked as training checks it), or the
-    train/val set of data.target."""
-    from ddptrain.data import build_datasets, require_data_source
-    from ddptrain.data.dataset import load_split
+    """(the dataset of split, what it is), checked as training checks it: the vocabulary fits the model and the
+    bytes their description (a prepared corpus's meta.json, data/verify.py)."""
+    from ddptrain.data.kinds import data_source
+    from ddptrain.data.source import Sampling
     from ddptrain.train.rng import seed_everything
 
-    require_data_source(cfg.data)
-    if cfg.data.target is None:
-        dataset = load_split(Path(cfg.data.dir), split, cfg.model.block_size)
-        _check_corpus(cfg, model, Path(cfg.data.dir))
-        return dataset, cfg.data.dir
-    if split not in ("train", "val"):
-        raise ConfigError(f"--split {split!r}: data.target gives the splits train and val")
+    source = data_source(cfg.data)
     seed_everything(cfg.run.seed)  # as the trainer builds them: a factory drawing random samples draws the same
-    train_set, val_set = build_datasets(cfg)
-    if split == "val" and val_set is None:
-        raise DataError(f"data.target={cfg.data.target!r} returned no validation set")
-    return (train_set if split == "train" else val_set), cfg.data.target
+    dataset = source.split(split, Sampling.of(cfg))
+    _check_vocab(cfg, model, source.vocab_size())
+    source.verify()
+    return dataset, source.describe()

@@ -22,9 +22,10 @@ from ddptrain.checks import existing_dir, number_in, text_arg
 from ddptrain.cli_options import REQUIRED, option
 from ddptrain.config import MAX_SEED, DataConfig, ModelConfig
 from ddptrain.config_io import format_validation_error
-from ddptrain.data.corpus import read_meta
-from ddptrain.data.tokenizer import Tokenizer, load_tokenizer_file
-from ddptrain.errors import CheckpointError, ConfigError, DataError
+from ddptrain.data.kinds import data_source
+from ddptrain.data.source import BYTES
+from ddptrain.data.tokenizer import Tokenizer
+from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.models.gpt import GPT
 from ddptrain.run_folder import checkpoints_dir
 
@@ -57,25 +58,13 @@ def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, VerifiedCheckpoi
 
 
 def data_tokenizer(ckpt: VerifiedCheckpoint, data_dir: Path | None = None) -> Tokenizer:
-    """The tokenizer of data_dir's corpus, else of the data the checkpoint's run trained on (bytes when its corpus
-    is gone or was byte-level); ConfigError for live datasets without data_dir, DataError for a tokenizer.json
-    whose SHA-256 is not the one its meta.json records (swapped after the corpus was prepared)."""
-    if data_dir is None:
-        data = saved_section(ckpt, "data", DataConfig)
-        if data.live is not None and data.target is None:
-            raise ConfigError(
-                f"data.live={data.live!r}: the run trained on live datasets passed to ddptrain.train(), whose "
-                "tokenizer ddptrain does not know; pass --data-dir DIR (the prepared corpus its tokens come from)"
-            )
-        data_dir = Path(data.dir)
-    try:
-        meta = read_meta(data_dir)
-    except DataError:
-        return Tokenizer(None, 256, None)
-    tokenizer = meta["tokenizer"]
-    if not tokenizer["file"]:
-        return Tokenizer(None, 256, None)
-    return load_tokenizer_file(data_dir / tokenizer["file"], expected_sha256=tokenizer["sha256"])
+    """The tokenizer of data_dir's corpus, else of the data the checkpoint's run trained on (bytes when its source
+    knows none: a corpus gone or byte-level, a data.target); ConfigError for live datasets without data_dir,
+    DataError for a tokenizer.json whose SHA-256 is not the one its meta.json records (swapped after the
+    corpus was prepared)."""
+    data = saved_section(ckpt, "data", DataConfig) if data_dir is None else DataConfig(dir=str(data_dir))
+    tokenizer = data_source(data).tokenizer()
+    return BYTES if tokenizer is None else tokenizer
 
 
 @dataclass(frozen=True)

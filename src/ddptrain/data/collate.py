@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,14 +46,11 @@ def build_collate(cfg: DataConfig) -> Collate:
 
 def tokenizer_pad_id(cfg: DataConfig) -> int:
     """The pad id of the run's tokenizer: the prepared corpus's end-of-document id (what an export to
-    transformers declares as pad_token_id); 0 for a byte-level corpus (no such id) and for data.target,
-    whose tokenizer ddptrain does not know."""
-    if cfg.target is not None or cfg.live is not None:
-        return 0
-    from ddptrain.data.corpus import read_meta  # the corpus exists: the run prepared it before the loader
+    transformers declares as pad_token_id); 0 for a byte-level corpus (no such id) and for data ddptrain
+    knows no tokenizer of (data.target, live datasets)."""
+    from ddptrain.data.kinds import data_source  # the corpus exists: the run prepared it before the loader
 
-    eos_id = read_meta(Path(cfg.dir)).get("eos_id")
-    return eos_id if isinstance(eos_id, int) else 0
+    return data_source(cfg).pad_id()
 
 
 def pad_collate(samples: list[Any], pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ and the shards' sizes; their bytes are verified by whoever trains or evaluates o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,9 +50,9 @@ class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
 
-def load_split(data_dir: Path, split: str, block_size: int) -> TokenDataset:
-    """One split ('train' or 'val') of the prepared corpus in data_dir."""
-    meta = read_meta(data_dir)
+def load_split(data_dir: Path, split: str, block_size: int, meta: dict[str, Any] | None = None) -> TokenDataset:
+    """One split ('train' or 'val') of the prepared corpus in data_dir (meta: its read_meta, when already read)."""
+    meta = read_meta(data_dir) if meta is None else meta
     if split not in meta["shards"]:
         raise DataError(f"{data_dir} has no split {split!r} (it has {', '.join(meta['shards'])})")
     return TokenDataset([data_dir / s["file"] for s in meta["shards"][split]], block_size, meta["dtype"])

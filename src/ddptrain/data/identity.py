@@ -31,10 +31,11 @@ from ddptrain.errors import DataError
 _PROBES = (0.0, 0.5, 1.0)
 
 
-def corpus_identity(data_dir: Path) -> dict[str, Any]:
+def corpus_identity(data_dir: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """A prepared corpus: its SHA-256 (of the shards' hashes), token counts and tokenizer, after its bytes were
-    verified against meta.json (data/verify.py); `bad_data` says why they are not (None when they are)."""
-    meta = read_meta(data_dir)
+    verified against meta.json (data/verify.py); `bad_data` says why they are not (None when they are).
+    meta: the corpus's read_meta, when already read."""
+    meta = read_meta(data_dir) if meta is None else meta
     try:
         verify_corpus(data_dir, meta)
         bad_data = None

@@ -5,6 +5,10 @@ permutation of all sample ids, cut into consecutive global batches of `global_ba
 optimizer step rank r takes its contiguous slice of the next global batch. The state is just
 (epoch, position), where position counts the global samples consumed in the epoch; so a run
 checkpointed at W ranks continues at W' ranks at exactly the next global sample.
+
+A dataset that is itself a stream over global positions (data/mixture.py: `sample_order = "stream"`)
+gets the positions in order instead, continuing across epochs (epoch e starts where e-1 ended), so
+its ids never repeat and it does its own shuffling.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ class ResumableDistributedSampler(Sampler[int]):
     """Yields this rank's sample ids for the rest of the current epoch, from `position` on."""
 
     def __init__(
-        self, num_samples: int, global_batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool = True
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        stream: bool = False,
     ) -> None:
         if global_batch_size % world_size:
             raise DataError(f"global batch {global_batch_size} does not split over {world_size} ranks")
@@ -36,7 +47,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.per_rank = global_batch_size // world_size
         self.rank = rank
         self.seed = seed
-        self.shuffle = shuffle
+        self.shuffle = shuffle and not stream
+        self.stream = stream
         self.epoch = 0
         self.position = 0
 
@@ -47,6 +59,8 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """All sample ids of an epoch in global order (the same on every rank)."""
+        if self.stream:
+            return torch.arange(self.num_samples) + epoch * self.steps_per_epoch * self.global_batch_size
         if not self.shuffle:
             return torch.arange(self.num_samples)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from ddptrain.checks import script_text
 from ddptrain.cli_options import option
-from ddptrain.config import Config, DataConfig
+from ddptrain.config import Config
 from ddptrain.data.corpus import corpus_ready
+from ddptrain.data.kinds import data_source
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError, LaunchError
 from ddptrain.launch.jobspec import (
     ETCD_BACKEND,
@@ -142,9 +143,11 @@ def check_data_dir(cfg: Config, workdir: Path) -> None:
     The default corpus is the exception (local rank 0 of each node prepares it on first use, one
     node at a time on a shared folder); a user factory (data.target) brings its own data.
     """
-    if cfg.data.target is not None or cfg.data.dir == DataConfig.model_fields["dir"].default:
+    source = data_source(cfg.data)
+    folder = source.folder()
+    if folder is None or source.prepares_itself:
         return
-    data_dir = workdir / cfg.data.dir
+    data_dir = workdir / folder
     if not corpus_ready(data_dir):
         raise ConfigError(
             f"data.dir {cfg.data.dir} ({data_dir.resolve()}) holds no prepared corpus (meta.json): run "
@@ -160,8 +163,9 @@ def node_paths(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) -> 
         "the frozen config": str(config_path),
         "run.dir": str((workdir / cfg.run_dir).resolve()),
     }
-    if cfg.data.target is None:
-        paths["data.dir"] = str((workdir / cfg.data.dir).resolve())
+    folder = data_source(cfg.data).folder()
+    if folder is not None:
+        paths["data.dir"] = str((workdir / folder).resolve())
     for what, path in paths.items():
         script_text(what, path)  # each lands in a comment and a (quoted) shell word of the script
     return paths
@@ -171,7 +175,7 @@ def _node_check(cfg: Config, paths: dict[str, str]) -> str:
     """Bash run on each node before its launcher: a path the node cannot see is bad input (exit 2,
     never requeued) named in one line, not a confusing failure inside the launcher. run.dir is
     created on first use, and so is the default corpus."""
-    later = {"run.dir"} | ({"data.dir"} if cfg.data.dir == DataConfig.model_fields["dir"].default else set())
+    later = {"run.dir"} | ({"data.dir"} if data_source(cfg.data).prepares_itself else set())
     checks = []
     for what, path in paths.items():
         if what in later:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -96,12 +96,14 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(ctx.device, counted=cfg.train.precision != "fp16")
         self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
         n_samples = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
+        stream = getattr(train_set, "sample_order", None) == "stream"  # a mixture: positions, not a shuffle
         self.sampler = ResumableDistributedSampler(
-            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
+            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed, stream=stream
         )
         self.collate = build_collate(cfg.data)  # the same batching for training and evaluation
         self.loader = self._loader(train_set)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
+        self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else None
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
@@ -395,6 +397,8 @@ class Trainer:
             **self.throughput.record(steps, seconds),
             **self.timer.summary(),
         }
+        if self.stream_record is not None:  # a mixture: how many samples each source gave so far
+            record.update(self.stream_record(self.step))
         if skipped:
             record["skipped_steps"] = skipped
             log.warning("%d step(s) skipped for a non-finite gradient up to step %d", skipped, self.step)
