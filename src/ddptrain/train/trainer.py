@@ -48,13 +48,15 @@ from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
 from ddptrain.train.sharded_state import by_name
 from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
+from ddptrain.train.token_mean import micro_batch_weights
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class StepResult:
-    """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches)."""
+    """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches; with
+    labels, its share of the step's mean over target tokens, train/token_mean.py: the ranks' mean is that mean)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -172,9 +174,10 @@ class Trainer:
         self.timer.start()
         self.ddp.train()
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for micro in range(self.accum):
-            batch = self.next_batch()
-            self.timer.lap("data")
+        batches = [self.next_batch() for _ in range(self.accum)]
+        self.timer.lap("data")
+        weights = micro_batch_weights(batches, self.ctx)  # batches with labels: the step's mean over target tokens
+        for micro, batch in enumerate(batches):
             # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() (DDP) or
             # FSDP2's gradient sync switch skips their all-reduce/reduce-scatter; the last backward
             # reduces the sum once.
@@ -182,7 +185,8 @@ class Trainer:
             set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
-                loss = call_model(self.ddp, batch, self.model_name) / self.accum
+                loss = call_model(self.ddp, batch, self.model_name)
+                loss = loss / self.accum if weights is None else loss * weights[micro]
             self.timer.lap("forward")
             self.precision.backward(loss)
             self.timer.lap("backward")
