@@ -185,9 +185,20 @@ def parse_meta(raw: bytes, where: Path) -> dict[str, Any]:
     try:
         if legacy:
             return LegacyMeta.model_validate(data).current()
-        return CorpusMeta.model_validate(data).model_dump()
+        return _without_absent(CorpusMeta.model_validate(data).model_dump())
     except ValidationError as e:
         raise DataError(f"{where}: {_first_error(e)}; prepare the corpus again") from None
+
+
+def _without_absent(meta: dict[str, Any]) -> dict[str, Any]:
+    """The dump without the instruction-data keys a corpus does not have: the meta.json as written."""
+    if meta["sft"] is None:
+        del meta["sft"]
+    for split in meta["shards"].values():
+        for shard in split:
+            if shard["mask"] is None:
+                del shard["mask"]
+    return meta
 
 
 def read_meta_file(data_dir: Path, name: str = META) -> dict[str, Any]:
