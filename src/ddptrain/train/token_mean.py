@@ -41,10 +41,10 @@ def micro_batch_weights(batches: list[Any], ctx: DistContext) -> list[torch.Tens
     counts = [target_tokens(batch) for batch in batches]
     if not counts or any(count is None for count in counts):
         return None
-    local = [count.to(torch.float32) for count in counts if count is not None]
-    total = torch.stack(local).sum()
+    local = [count for count in counts if count is not None]
+    total = torch.stack(local).sum()  # int64: exact however many tokens a step holds
     if ctx.is_distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
     # A step without any target (every answer cut away) weighs nothing rather than dividing by zero.
-    scale = ctx.world_size / total.clamp_min(1.0)
+    scale = ctx.world_size / total.clamp_min(1).to(torch.float32)
     return [count * scale for count in local]
