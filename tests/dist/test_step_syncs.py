@@ -11,15 +11,29 @@ import pytest
 
 from helpers import TESTS_DIR, TINY, env_for_subprocess
 
+from ddptrain.data.corpus import PrepareOptions, prepare_corpus
+
 pytestmark = pytest.mark.dist
 
 STEPS, LOG_EVERY = 9, 4
 
 
+def _instruction_corpus(tmp_path: Path) -> Path:
+    """Prompt/completion records of unequal answer lengths: the step weighs micro-batches by answer tokens."""
+    source = tmp_path / "records.jsonl"
+    records = [{"prompt": f"question {i}?", "completion": " answer" * (1 + i % 5)} for i in range(300)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return prepare_corpus([source], tmp_path / "sft", 0.1, PrepareOptions(sft="prompt,completion")).out_dir
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_make_no_host_sync_on_unlogged_steps(strategy: str, corpus_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("strategy", "sft"), [("ddp", False), ("fsdp", False), ("ddp", True)])
+def test_two_ranks_make_no_host_sync_on_unlogged_steps(
+    strategy: str, sft: bool, corpus_dir: Path, tmp_path: Path
+) -> None:
     # Under fsdp the clipped norm is a DTensor made full by an all-reduce: a collective, not a host read.
+    # With instruction data the step's answer-token count is an all-reduce of a device tensor, not a host read.
+    corpus_dir = _instruction_corpus(tmp_path) if sft else corpus_dir
     overrides = [*TINY, f"dist.strategy={strategy}", f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
                  f"log.every_steps={LOG_EVERY}", "ckpt.every_steps=0", "log.straggler_every=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

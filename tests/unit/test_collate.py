@@ -15,8 +15,9 @@ from torch.utils.data import default_collate
 from varlen_toy import VarLenTokens
 
 from ddptrain.config import DataConfig, ModelConfig
-from ddptrain.data.collate import IGNORE_INDEX, build_collate, pad_collate, tokenizer_pad_id
+from ddptrain.data.collate import IGNORE_INDEX, build_collate, pad_collate
 from ddptrain.data.identity import datasets_identity
+from ddptrain.data.kinds import data_source
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
@@ -72,17 +73,17 @@ def test_pad_collate_over_random_lengths(lengths: list[int], pad_id: int) -> Non
 
 
 def test_build_collate_resolves_each_form() -> None:
-    assert build_collate(DataConfig()) is default_collate
-    pad = build_collate(DataConfig(collate="pad", target="varlen_toy:varlen_datasets"))
+    assert build_collate(DataConfig(), lambda: 0) is default_collate
+    pad = build_collate(DataConfig(collate="pad", target="varlen_toy:varlen_datasets"), lambda: 0)
     assert pad([torch.tensor([1]), torch.tensor([1, 2])])["input_ids"].tolist() == [[1, 0], [1, 2]]
-    assert build_collate(DataConfig(collate="ddptrain.data.collate:pad_collate")) is pad_collate
+    assert build_collate(DataConfig(collate="ddptrain.data.collate:pad_collate"), lambda: 0) is pad_collate
     with pytest.raises(ConfigError, match="data.collate='no_such_module:f': cannot import"):
-        build_collate(DataConfig(collate="no_such_module:f"))
+        build_collate(DataConfig(collate="no_such_module:f"), lambda: 0)
 
 
 def test_the_pad_id_is_the_corpus_tokenizers_end_of_document(corpus_dir: Any) -> None:
-    assert tokenizer_pad_id(DataConfig(target="varlen_toy:varlen_datasets")) == 0  # no tokenizer ddptrain knows
-    assert tokenizer_pad_id(DataConfig(dir=str(corpus_dir))) == 0  # bytes: no end-of-document id
+    assert data_source(DataConfig(target="varlen_toy:varlen_datasets")).pad_id() == 0  # no tokenizer ddptrain knows
+    assert data_source(DataConfig(dir=str(corpus_dir))).pad_id() == 0  # bytes: no end-of-document id
 
 
 def test_the_built_in_gpt_ignores_padded_positions() -> None:

@@ -248,6 +248,18 @@ def check_prepare(command: str, tmp: Path) -> None:
     assert re.match(r"^prepared 1 files .*into data/notes: [\d,]+ train tokens, [\d,]+ val tokens", out.strip()), out
 
 
+def check_prepare_chat(command: str, tmp: Path) -> None:
+    """The instruction-data walk-through's records (its make_chat.py, run here) prepare to the documented line."""
+    blocks = [lines for _, lines in code_blocks(ROOT / "docs" / "real-models.md") if lines]
+    script = next("\n".join(lines) for lines in blocks if lines[0] == "# make_chat.py")
+    with contextlib.chdir(tmp):
+        exec(compile(script, "make_chat.py", "exec"), {})
+    rc, out, err = _ddptrain(shlex.split(command)[1:], tmp)
+    documented = next(lines for lines in blocks if "$ python make_chat.py" in lines)
+    assert rc == 0, err
+    assert out.strip() == documented[documented.index(f"$ {command}") + 1], out
+
+
 Check = Callable[..., None]
 _SKIP_DIST = "starts several processes: tests/dist covers it (make test-dist)"
 RULES: list[tuple[str, Check | str]] = [
@@ -291,8 +303,18 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain k8s -c examples/gpt-small\.yaml --nodes 4 --gpus-per-node 8 --image", check_runs_and_prints_documents),
     (r"^ddptrain prepare \"\$STDLIB/", "trains a BPE tokenizer on the standard library: tests/unit/test_prepare.py"),
     (r"^ddptrain prepare FILES/", "a synopsis with placeholders: tests/unit/test_prepare.py runs prepare"),
-    (r"^ddptrain prepare 'docs/\*\.md' README\.md ", "prepares the docs as text: tests/unit/test_prepare.py runs prepare"),
-    (r"^ddptrain train -c mix\.yaml$", "trains a mixture: tests/dist/test_mixture_dist.py trains and resumes one"),
+    (
+        r"^ddptrain prepare 'docs/\*\.md' README\.md ",
+        "prepares the docs as text: tests/unit/test_prepare.py runs prepare",
+    ),
+    (r"^ddptrain train -c mix\.yaml$", "trains a mixture: tests/dist/test_data_sources_dist.py trains and resumes one"),
+    (r"^ddptrain prepare FILE\.jsonl --out DIR --sft ", "a synopsis with placeholders: tests/unit/test_sft.py"),
+    (r"^python make_chat\.py$", "writes the records of the walk-through: check_prepare_chat runs it"),
+    (r"^ddptrain prepare chat\.jsonl --out data/chat --sft messages ", check_prepare_chat),
+    (
+        r"^ddptrain launch --nproc-per-node 2 -- train run\.dir=runs/chat |^ddptrain (eval|generate) runs/chat",
+        "400 steps on 2 ranks, then the run it made: tests/dist/test_sft_dist.py trains instruction data on 2 ranks",
+    ),
     (
         r"^ddptrain (eval|export) (runs/llama|RUN_DIR) |^torchrun --nproc-per-node 2 -m ddptrain eval ",
         "the Hugging Face walk-through on a trained Llama run: tests/dist/test_real_models.py",

@@ -86,12 +86,15 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
     """The loss of ckpt on split over `batches` global batches (0: all of it), on this process's share of
     the job; the line to print on rank 0, None elsewhere."""
     from ddptrain.data.collate import build_collate
+    from ddptrain.data.kinds import data_source
     from ddptrain.train.evaluation import eval_samples, evaluate_loss
     from ddptrain.train.precision import Precision
 
     cfg, model = model_of(ckpt, overrides)
     dataset, source = _eval_split(cfg, split, model)
-    collate = build_collate(cfg.data)  # training's batching; a bad data.collate exits 2 before the group forms
+    collate = build_collate(
+        cfg.data, data_source(cfg.data).pad_id
+    )  # training's batching; a bad data.collate exits 2 before the group forms
     n = eval_samples(batches, cfg.train.global_batch_size, len(dataset))
     if n < 1:
         raise DataError(f"split {split!r} of {source} has no samples")

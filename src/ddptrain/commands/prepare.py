@@ -42,6 +42,12 @@ class PrepareCommandOptions:
         "named like prepare's output (meta.json, tokenizer.json, shards) are then replaced, others left alone",
     )
     shard_tokens: int = option(_HOW.shard_tokens, "tokens per shard file (default {default:,})")
+    sft: str | None = option(
+        _HOW.sft,
+        "instruction records in .jsonl files: PROMPT,COMPLETION (two field names) or MESSAGES (one field of "
+        "chat messages); the loss is then on the answers only (a mask beside the tokens)",
+        metavar="FIELDS",
+    )
 
 
 def prepare(options: PrepareCommandOptions) -> int:
@@ -61,6 +67,7 @@ def prepare(options: PrepareCommandOptions) -> int:
         options.shard_tokens,
         wait_s=options.wait,
         force=options.force,
+        sft=options.sft,
     )
     # say: "waiting for ..." lines while another prepare of the same folder works
     info = prepare_corpus(files, Path(options.out), options.val_fraction, how, say=streams.say)

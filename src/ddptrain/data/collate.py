@@ -34,23 +34,16 @@ def check_collate(cfg: DataConfig) -> None:
         import_target(cfg.collate, "data.collate")
 
 
-def build_collate(cfg: DataConfig) -> Collate:
-    """The function that batches this run's samples (default_collate when data.collate is unset)."""
+def build_collate(cfg: DataConfig, pad_id: Callable[[], int]) -> Collate:
+    """The function that batches this run's samples (default_collate when data.collate is unset). pad_id:
+    the data source's (asked only for data.collate=pad): the prepared corpus's end-of-document id, what
+    an export to transformers declares as pad_token_id; 0 for bytes and for data of unknown tokenizer."""
     if cfg.collate is None:
         return default_collate
     if cfg.collate == PAD:
-        return functools.partial(pad_collate, pad_id=tokenizer_pad_id(cfg))
+        return functools.partial(pad_collate, pad_id=pad_id())
     collate: Collate = import_target(cfg.collate, "data.collate")
     return collate
-
-
-def tokenizer_pad_id(cfg: DataConfig) -> int:
-    """The pad id of the run's tokenizer: the prepared corpus's end-of-document id (what an export to
-    transformers declares as pad_token_id); 0 for a byte-level corpus (no such id) and for data ddptrain
-    knows no tokenizer of (data.target, live datasets)."""
-    from ddptrain.data.kinds import data_source  # the corpus exists: the run prepared it before the loader
-
-    return data_source(cfg).pad_id()
 
 
 def pad_collate(samples: list[Any], pad_id: int = 0) -> dict[str, torch.Tensor]:

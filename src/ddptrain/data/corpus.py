@@ -65,7 +65,8 @@ def corpus_fingerprint(meta: dict[str, Any]) -> str | None:
     if isinstance(meta.get("sha256"), str):
         return str(meta["sha256"])
     try:
-        shard_hashes = [s["sha256"] for split in SPLITS for s in meta["shards"][split]]
+        shards = [s for split in SPLITS for s in meta["shards"][split]]
+        shard_hashes = [s["sha256"] for s in shards] + [s["mask"]["sha256"] for s in shards if s.get("mask")]
     except (KeyError, TypeError):
         return None
     if not all(isinstance(h, str) for h in shard_hashes):
@@ -90,13 +91,18 @@ def read_meta(data_dir: Path) -> dict[str, Any]:
     itemsize = ITEMSIZE[meta["dtype"]]
     for split in SPLITS:
         for shard in meta["shards"][split]:
-            path, tokens = data_dir / shard["file"], shard["tokens"]  # plain names (the schema): inside data.dir
-            if not path.is_file():
-                what = "is not a regular file" if path.exists() else "is missing"
-                raise DataError(f"{path} {what}; prepare the corpus again")
-            if path.stat().st_size != tokens * itemsize:
-                raise DataError(
-                    f"{path} holds {path.stat().st_size} bytes, meta.json says "
-                    f"{tokens} tokens of {itemsize} byte(s); prepare again"
-                )
+            # plain names (the schema): inside data.dir
+            _check_size(data_dir / shard["file"], shard["tokens"], itemsize)
+            if shard.get("mask"):
+                _check_size(data_dir / shard["mask"]["file"], shard["tokens"], 1)
     return meta
+
+
+def _check_size(path: Path, tokens: int, itemsize: int) -> None:
+    if not path.is_file():
+        what = "is not a regular file" if path.exists() else "is missing"
+        raise DataError(f"{path} {what}; prepare the corpus again")
+    if path.stat().st_size != tokens * itemsize:
+        raise DataError(
+            f"{path} holds {path.stat().st_size} bytes, meta.json says {tokens} tokens of {itemsize} byte(s); prepare again"
+        )

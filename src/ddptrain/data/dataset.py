@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddptrain.data.corpus import read_meta
+from ddptrain.data.sft_dataset import SftDataset
 from ddptrain.data.shards import TokenSequence
 from ddptrain.errors import DataError
 
@@ -50,14 +51,22 @@ class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
 
-def load_split(data_dir: Path, split: str, block_size: int, meta: dict[str, Any] | None = None) -> TokenDataset:
-    """One split ('train' or 'val') of the prepared corpus in data_dir (meta: its read_meta, when already read)."""
+def load_split(
+    data_dir: Path, split: str, block_size: int, meta: dict[str, Any] | None = None
+) -> TokenDataset | SftDataset:
+    """One split ('train' or 'val') of the prepared corpus in data_dir (meta: its read_meta, when already read):
+    token windows, or one instruction record per sample when the corpus was prepared with --sft
+    (data/sft_dataset.py)."""
     meta = read_meta(data_dir) if meta is None else meta
     if split not in meta["shards"]:
         raise DataError(f"{data_dir} has no split {split!r} (it has {', '.join(meta['shards'])})")
-    return TokenDataset([data_dir / s["file"] for s in meta["shards"][split]], block_size, meta["dtype"])
+    paths = [data_dir / s["file"] for s in meta["shards"][split]]
+    if meta.get("sft"):
+        masks = [data_dir / s["mask"]["file"] for s in meta["shards"][split]]
+        return SftDataset(paths, masks, block_size, meta["dtype"], meta["eos_id"] or 0)
+    return TokenDataset(paths, block_size, meta["dtype"])
 
 
-def load_token_datasets(data_dir: Path, block_size: int) -> tuple[TokenDataset, TokenDataset]:
+def load_token_datasets(data_dir: Path, block_size: int) -> tuple[TokenDataset | SftDataset, TokenDataset | SftDataset]:
     """The prepared corpus's train and validation datasets."""
     return load_split(data_dir, "train", block_size), load_split(data_dir, "val", block_size)

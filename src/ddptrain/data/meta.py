@@ -7,6 +7,8 @@ traceback, an embedding of 10**12 rows, or a restart under `ddptrain launch`.
 
 Three shapes are read:
 - format 3 (this version's prepare): every shard with its token count, SHA-256 and largest token id;
+  instruction data (`prepare --sft`) adds `sft` (the record fields and chat template) and each shard's
+  loss `mask` (its file and SHA-256);
 - format 2 (before that): the same without the largest id (data/verify.py computes it while hashing);
 - the legacy corpus from before shards (no `format`): `train.bin`, `val.bin` of uint8 bytes and one
   SHA-256 of their concatenation. A legacy meta.json without that `sha256` was never written by a
@@ -39,6 +41,7 @@ _COUNT = 2**62
 ITEMSIZE = {"uint8": 1, "uint16": 2, "uint32": 4}
 SHARD_PATTERN = r"^(train|val)-[0-9]{5,}\.bin$"  # shards.shard_name: nothing outside data.dir, nothing else's
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+MASK_PATTERN = r"^(train|val)-[0-9]{5,}\.mask$"  # shards.shard_name with MASK_SUFFIX
 Count = Annotated[int, Field(ge=0, le=_COUNT)]
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
@@ -47,13 +50,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
+class MaskMeta(_Strict):
+    """A token shard's loss mask (instruction data): its file (one byte per token) and SHA-256."""
+
+    file: Annotated[str, Field(pattern=MASK_PATTERN)]
+    sha256: Hex64
+
+
 class ShardMeta(_Strict):
-    """One shard: its file, token count, SHA-256 of its bytes and (format 3) its largest token id."""
+    """One shard: its file, token count, SHA-256 of its bytes, (format 3) its largest token id, and (instruction
+    data) its loss mask."""
 
     file: Annotated[str, Field(pattern=SHARD_PATTERN)]
     tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
     sha256: Hex64
     max_token_id: Annotated[int, Field(ge=0, lt=MAX_VOCAB)] | None = None
+    mask: MaskMeta | None = None
+
+
+class SftMeta(_Strict):
+    """How instruction records became tokens (data/sft.py): their fields, and for chat records the template."""
+
+    fields: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=2)]
+    template: Literal["builtin", "tokenizer"] | None
+    template_sha256: Hex64 | None
 
 
 class TokenizerMeta(_Strict):
@@ -93,6 +113,7 @@ class CorpusMeta(_Strict):
     val_tokens: Tokens
     shards: SplitsMeta
     recipe: Hex64 | None = None  # prepares before the prepare lock did not record it
+    sft: SftMeta | None = None  # instruction data: every shard has a loss mask
 
     @model_validator(mode="after")
     def _consistent(self) -> CorpusMeta:
@@ -128,6 +149,10 @@ def _problems(m: CorpusMeta) -> list[str]:
                 out.append(f"{where}.max_token_id: Field required (format {m.format})")
             if s.max_token_id is not None and s.max_token_id >= m.vocab_size:
                 out.append(f"{where}.max_token_id {s.max_token_id} is not below vocab_size {m.vocab_size}")
+            if (s.mask is None) != (m.sft is None):
+                out.append(f"{where}.mask: {'required with sft' if m.sft else 'only instruction data (sft) has masks'}")
+            if s.mask is not None and s.mask.file != s.file.removesuffix(".bin") + ".mask":
+                out.append(f"{where}.mask.file {s.mask.file!r} is not the mask of {s.file!r}")
     return out
 
 
@@ -160,9 +185,20 @@ def parse_meta(raw: bytes, where: Path) -> dict[str, Any]:
     try:
         if legacy:
             return LegacyMeta.model_validate(data).current()
-        return CorpusMeta.model_validate(data).model_dump()
+        return _without_absent(CorpusMeta.model_validate(data).model_dump())
     except ValidationError as e:
         raise DataError(f"{where}: {_first_error(e)}; prepare the corpus again") from None
+
+
+def _without_absent(meta: dict[str, Any]) -> dict[str, Any]:
+    """The dump without the instruction-data keys a corpus does not have: the meta.json as written."""
+    if meta["sft"] is None:
+        del meta["sft"]
+    for split in meta["shards"].values():
+        for shard in split:
+            if shard["mask"] is None:
+                del shard["mask"]
+    return meta
 
 
 def read_meta_file(data_dir: Path, name: str = META) -> dict[str, Any]:
@@ -187,6 +223,7 @@ def read_meta_file(data_dir: Path, name: str = META) -> dict[str, Any]:
 def listed_files(meta: dict[str, Any]) -> set[str]:
     """The files a validated meta.json says its prepare wrote: shards and tokenizer (plain names)."""
     names = {s["file"] for split in meta["shards"].values() for s in split}
+    names |= {s["mask"]["file"] for split in meta["shards"].values() for s in split if s.get("mask")}
     return names | ({meta["tokenizer"]["file"]} if meta["tokenizer"]["file"] else set())
 
 

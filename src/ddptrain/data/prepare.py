@@ -33,7 +33,8 @@ import numpy as np
 
 from ddptrain.data.meta import FORMAT, META, parse_meta, read_meta_file
 from ddptrain.data.publish import PREPARE_WAIT_S, PrepareLock, read_recipe
-from ddptrain.data.shards import ShardWriter
+from ddptrain.data.sft import SftSpec, check_sft_sources, parse_sft, record_texts, tokenize_records, validation_cut
+from ddptrain.data.shards import MASK_SUFFIX, ShardWriter
 from ddptrain.data.sources import Task, iter_documents, plan_tasks, read_documents
 from ddptrain.data.tokenizer import (
     TOKENIZER_FILE,
@@ -83,44 +84,56 @@ class PrepareOptions:
     task_bytes: int = DEFAULT_TASK_BYTES
     wait_s: float = PREPARE_WAIT_S
     force: bool = False  # prepare into a folder holding files no prepare wrote (replacing those of its names)
+    sft: str | None = None  # instruction records: "PROMPT,COMPLETION" or "MESSAGES" field names (data/sft.py)
 
 
 # ---- worker processes -------------------------------------------------------------------------
 
 _worker: dict[str, Any] = {}
+# A task's tokens, their loss mask (instruction data only), its documents (records) and input bytes.
+Tokenized = tuple[np.ndarray, np.ndarray | None, int, int]
 
 
-def _init_worker(tokenizer_file: str, text_field: str) -> None:
+def _init_worker(tokenizer_file: str, text_field: str, sft: SftSpec | None) -> None:
     # One single-threaded tokenizer per process: the processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker["tokenizer"] = load_tokenizer_file(Path(tokenizer_file))
     _worker["field"] = text_field
+    _worker["sft"] = sft
 
 
-def _tokenize(task: Task, tokenizer: Tokenizer, text_field: str) -> tuple[np.ndarray, int, int]:
+def _tokenize(task: Task, tokenizer: Tokenizer, text_field: str, sft: SftSpec | None) -> Tokenized:
+    if sft is not None:
+        tokens, mask, records, nbytes = tokenize_records(task, sft, tokenizer)
+        return tokens, mask, records, nbytes
     docs = [d for piece in task.pieces for d in read_documents(piece, text_field)]
-    return tokenizer.encode_batch(docs), len(docs), sum(map(len, docs))
+    return tokenizer.encode_batch(docs), None, len(docs), sum(map(len, docs))
 
 
-def _tokenize_in_worker(task: Task) -> tuple[np.ndarray, int, int]:
-    return _tokenize(task, _worker["tokenizer"], _worker["field"])
+def _tokenize_in_worker(task: Task) -> Tokenized:
+    return _tokenize(task, _worker["tokenizer"], _worker["field"], _worker["sft"])
 
 
 def _results(
-    tasks: Iterator[Task], tokenizer: Tokenizer, out_dir: Path, opts: PrepareOptions, workers: int
-) -> Iterator[tuple[np.ndarray, int, int]]:
-    """Each task's (tokens, documents, input bytes), in task order."""
+    tasks: Iterator[Task],
+    tokenizer: Tokenizer,
+    out_dir: Path,
+    opts: PrepareOptions,
+    workers: int,
+    sft: SftSpec | None = None,
+) -> Iterator[Tokenized]:
+    """Each task's (tokens, mask, documents, input bytes), in task order."""
     if tokenizer.hf is None or workers <= 1:
         # Raw bytes need no tokenizing: reading is the whole cost, and one process does it.
         for task in tasks:
-            yield _tokenize(task, tokenizer, opts.text_field)
+            yield _tokenize(task, tokenizer, opts.text_field, sft)
         return
     # fork, not spawn: `python -m ddptrain` would re-run the command in a spawned child. An executor,
     # not a Pool: a worker that dies (OOM-killed) fails its task with BrokenProcessPool instead of a hang.
     ctx = multiprocessing.get_context("fork")
-    init_args = (str(out_dir / TOKENIZER_FILE), opts.text_field)
+    init_args = (str(out_dir / TOKENIZER_FILE), opts.text_field, sft)
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque[Future[tuple[np.ndarray, int, int]]] = deque()
+        pending: deque[Future[Tokenized]] = deque()
         try:
             for task in tasks:
                 pending.append(pool.submit(_tokenize_in_worker, task))
@@ -138,7 +151,9 @@ def _results(
 # ---- the pipeline -------------------------------------------------------------------------------
 
 
-def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, text_field: str) -> Tokenizer:
+def _setup_tokenizer(
+    spec: TokenizerSpec, files: list[Path], folder: Path, text_field: str, sft: SftSpec | None
+) -> Tokenizer:
     target = folder / TOKENIZER_FILE
     if spec.kind == "bytes":
         return Tokenizer(None, 256, None)
@@ -146,7 +161,8 @@ def _setup_tokenizer(spec: TokenizerSpec, files: list[Path], folder: Path, text_
         assert spec.path is not None
         shutil.copyfile(spec.path, target)
     else:
-        train_bpe(iter_documents(files, text_field), spec.vocab_size, target)
+        texts = record_texts(files, sft) if sft is not None else iter_documents(files, text_field)
+        train_bpe(texts, spec.vocab_size, target)
     return load_tokenizer_file(target)
 
 
@@ -161,7 +177,9 @@ def recipe_of(sources: list[Path], val_fraction: float, opts: PrepareOptions, sp
             raise DataError(f"cannot read {path}: {e.strerror}") from None
         files.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
     tokenizer = sha256_file(spec.path) if spec.path is not None else opts.tokenizer
-    described = [files, val_fraction, tokenizer, opts.text_field, opts.shard_tokens, opts.task_bytes]
+    described: list[Any] = [files, val_fraction, tokenizer, opts.text_field, opts.shard_tokens, opts.task_bytes]
+    if opts.sft is not None:  # appended only here: the recipes of corpora without --sft stay as they were
+        described.append(parse_sft(opts.sft, spec.path).described())
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
@@ -187,6 +205,8 @@ def prepare_corpus(
     if not sources:
         raise DataError("no source files to prepare")
     spec = TokenizerSpec.parse(opts.tokenizer)
+    if opts.sft is not None:
+        check_sft_sources(sources, parse_sft(opts.sft, spec.path))
     recipe = recipe_of(sources, val_fraction, opts, spec)
     out_dir.mkdir(parents=True, exist_ok=True)  # its errors are the user's path (a file there, no permission)
     try:
@@ -226,17 +246,26 @@ def _prepare_into(
     sources: list[Path], folder: Path, val_fraction: float, opts: PrepareOptions, spec: TokenizerSpec, recipe: str
 ) -> CorpusInfo:
     """The pipeline: tokenize the files into shards and meta.json in folder (a fresh, private one)."""
-    tokenizer = _setup_tokenizer(spec, sources, folder, opts.text_field)
+    sft = parse_sft(opts.sft, spec.path) if opts.sft is not None else None
+    tokenizer = _setup_tokenizer(spec, sources, folder, opts.text_field, sft)
+    if sft is not None:
+        sft = sft.for_tokenizer(tokenizer.hf.id_to_token(tokenizer.eos_id) if tokenizer.hf is not None else "")
     workers = opts.workers or len(os.sched_getaffinity(0))
     writers = {s: ShardWriter(folder, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
+    masks = {s: ShardWriter(folder, s, opts.shard_tokens, np.dtype(np.uint8), MASK_SUFFIX) for s in SPLITS}
     documents = input_bytes = 0
-    for tokens, docs, nbytes in _results(plan_tasks(sources, opts.task_bytes), tokenizer, folder, opts, workers):
-        n_val = int(len(tokens) * val_fraction)
-        writers["train"].append(tokens[: len(tokens) - n_val])
-        writers["val"].append(tokens[len(tokens) - n_val :])
+    tasks = plan_tasks(sources, opts.task_bytes)
+    for tokens, mask, docs, nbytes in _results(tasks, tokenizer, folder, opts, workers, sft):
+        cut = len(tokens) - int(len(tokens) * val_fraction) if mask is None else validation_cut(mask, val_fraction)
+        writers["train"].append(tokens[:cut])
+        writers["val"].append(tokens[cut:])
+        if mask is not None:
+            masks["train"].append(mask[:cut])
+            masks["val"].append(mask[cut:])
         documents += docs
         input_bytes += nbytes
     shards = {s: w.finish() for s, w in writers.items()}
+    mask_shards = {s: w.finish() for s, w in masks.items()}
     counts = {s: sum(x["tokens"] for x in shards[s]) for s in SPLITS}
     if counts["train"] < 1024 or counts["val"] < 256:
         raise DataError(
@@ -259,15 +288,11 @@ def _prepare_into(
         "shard_tokens": opts.shard_tokens,
         "train_tokens": counts["train"],
         "val_tokens": counts["val"],
-        "shards": shards,
+        "shards": _with_masks(shards, mask_shards),
         "recipe": recipe,
+        **({"sft": sft.described()} if sft is not None else {}),
     }
-    raw = json.dumps(meta, indent=1).encode()
-    parse_meta(raw, folder / META)  # what readers check, checked here first: nothing is published they refuse
-    with open_new_no_follow(folder / META) as f:  # folder is the preparer's fresh private one
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_meta(folder, meta)
     return CorpusInfo(
         folder,
         len(sources),
@@ -277,3 +302,23 @@ def _prepare_into(
         tokenizer.vocab_size,
         len(shards["train"]) + len(shards["val"]),
     )
+
+
+def _with_masks(shards: dict[str, list[Any]], masks: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Each token shard's entry with its loss mask's file and SHA-256 (the mask writers cut at the same
+    token counts, so the i-th mask belongs to the i-th shard); the shards alone without instruction data."""
+    return {
+        split: [{**shard, "mask": {"file": m["file"], "sha256": m["sha256"]}} for shard, m in zip(listed, masks[split])]
+        if masks[split]
+        else listed
+        for split, listed in shards.items()
+    }
+
+
+def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    raw = json.dumps(meta, indent=1).encode()
+    parse_meta(raw, folder / META)  # what readers check, checked here first: nothing is published they refuse
+    with open_new_no_follow(folder / META) as f:  # folder is the preparer's fresh private one
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())

@@ -2,7 +2,8 @@
 
 A split is `{split}-00000.bin`, `{split}-00001.bin`, ...: every shard holds exactly `shard_tokens`
 tokens except the last. A shard is written under a temporary name, fsynced and renamed, so a shard
-that exists under its final name is complete.
+that exists under its final name is complete. Instruction data (data/sft.py) has a loss mask beside
+each token shard, `{split}-00000.mask`: one byte per token, cut at the same token counts.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import numpy as np
 
 from ddptrain.safe_files import open_new_no_follow
 
+MASK_SUFFIX = ".mask"
 
-def shard_name(split: str, index: int) -> str:
-    """File name of a split's index-th shard."""
-    return f"{split}-{index:05d}.bin"
+
+def shard_name(split: str, index: int, suffix: str = ".bin") -> str:
+    """File name of a split's index-th shard (of tokens; of loss masks with MASK_SUFFIX)."""
+    return f"{split}-{index:05d}{suffix}"
 
 
 class ShardWriter:
     """Appends tokens to a split, cutting shards of exactly shard_tokens tokens."""
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, dtype: np.dtype, suffix: str = ".bin") -> None:
         self.out_dir, self.split, self.shard_tokens, self.dtype = out_dir, split, shard_tokens, dtype
+        self.suffix = suffix
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
         self._tmp: Path | None = None
@@ -68,7 +72,7 @@ class ShardWriter:
         return self.shards
 
     def _open(self) -> None:
-        name = shard_name(self.split, len(self.shards))
+        name = shard_name(self.split, len(self.shards), self.suffix)
         self._tmp = self.out_dir / f".{name}.{os.getpid()}.tmp"
         self._file = open_new_no_follow(self._tmp)  # a fresh name in the preparer's private folder
         self._hash = hashlib.sha256()
@@ -80,7 +84,7 @@ class ShardWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        name = shard_name(self.split, len(self.shards))
+        name = shard_name(self.split, len(self.shards), self.suffix)
         os.replace(self._tmp, self.out_dir / name)
         shard = {"file": name, "tokens": self._filled, "sha256": self._hash.hexdigest(), "max_token_id": self._max}
         self.shards.append(shard)

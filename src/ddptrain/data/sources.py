@@ -93,10 +93,19 @@ def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:
     if is_table(piece.path):
         yield from read_table_documents(piece.path, piece.start, piece.end, text_field)
         return
-    try:
-        if not is_jsonl(piece.path):
+    if not is_jsonl(piece.path):
+        try:
             yield piece.path.read_bytes()
-            return
+        except OSError as e:
+            raise DataError(f"cannot read {piece.path}: {e.strerror}") from None
+        return
+    for line, offset in jsonl_lines(piece):
+        yield _jsonl_text(line, piece.path, offset, text_field).encode("utf-8")
+
+
+def jsonl_lines(piece: Piece) -> Iterator[tuple[bytes, int]]:
+    """The non-blank lines of a JSON Lines piece, each with the byte offset where it starts in its file."""
+    try:
         with open(piece.path, "rb") as f:
             f.seek(piece.start)
             data = f.read(piece.end - piece.start)
@@ -105,8 +114,22 @@ def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:
     offset = piece.start
     for line in data.splitlines(keepends=True):
         if line.strip():
-            yield _jsonl_text(line, piece.path, offset, text_field).encode("utf-8")
+            yield line, offset
         offset += len(line)
+
+
+def line_number(path: Path, offset: int) -> int:
+    """The 1-based line number of the line starting at byte offset of path (for error messages only: it
+    reads the file up to there)."""
+    newlines = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 22))
+            if not chunk:
+                break
+            newlines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return newlines + 1
 
 
 def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
@@ -120,8 +143,13 @@ def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
     return text
 
 
+def iter_pieces(files: list[Path]) -> Iterator[Piece]:
+    """The files as pieces of at most 16 MiB, in order (for reading every document one at a time)."""
+    for path in files:
+        yield from _pieces(path, path.stat().st_size, 1 << 24)
+
+
 def iter_documents(files: list[Path], text_field: str) -> Iterator[bytes]:
     """Every document of the files, in order, one at a time (for training a tokenizer)."""
-    for path in files:
-        for piece in _pieces(path, path.stat().st_size, 1 << 24):
-            yield from read_documents(piece, text_field)
+    for piece in iter_pieces(files):
+        yield from read_documents(piece, text_field)

@@ -16,6 +16,8 @@ The recorded largest id gives a check that reads nothing (an id at or above voca
 before the pass); the pass still compares it with the bytes, so a meta.json that lies about it is
 refused too. Format 2 corpora have no recorded id: the pass's own is checked against the vocabulary.
 A legacy corpus (train.bin, val.bin) is checked against the one SHA-256 it recorded, of both files' bytes.
+Instruction data's loss masks (data/sft.py) are checked alike: their SHA-256, and every byte below 4
+(the mask's two bits).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from ddptrain.errors import DataError
 
 _CHUNK = 1 << 22  # 4 MiB: a multiple of every item size
+MASK_VALUES = 4  # a loss mask's bytes hold two bits (data/sft.py: LOSS, START)
 _verified: set[tuple[Any, ...]] = set()
 
 
@@ -39,15 +42,14 @@ def verify_corpus(data_dir: Path, meta: dict[str, Any]) -> None:
     id at or above vocab_size; meta is read_meta(data_dir)'s (validated, sizes checked)."""
     vocab, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
     if meta["format"] == 1:  # legacy: one SHA-256 of train.bin's bytes followed by val.bin's
-        groups = [([data_dir / "train.bin", data_dir / "val.bin"], meta["sha256"], None)]
+        groups = [([data_dir / "train.bin", data_dir / "val.bin"], meta["sha256"], None, vocab, dtype)]
     else:
-        groups = [
-            ([data_dir / s["file"]], s["sha256"], s.get("max_token_id"))
-            for split in ("train", "val")
-            for s in meta["shards"][split]
-        ]
-    for paths, sha256, recorded in groups:
-        _verify_group(paths, sha256, recorded, vocab, dtype)
+        shards = [s for split in ("train", "val") for s in meta["shards"][split]]
+        groups = [([data_dir / s["file"]], s["sha256"], s.get("max_token_id"), vocab, dtype) for s in shards]
+        masks = [s["mask"] for s in shards if s.get("mask")]
+        groups += [([data_dir / m["file"]], m["sha256"], None, MASK_VALUES, np.dtype(np.uint8)) for m in masks]
+    for paths, sha256, recorded, below, item in groups:
+        _verify_group(paths, sha256, recorded, below, item)
 
 
 def _verify_group(paths: list[Path], sha256: str, recorded: int | None, vocab: int, dtype: np.dtype) -> None:

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
+from ddptrain.data.kinds import data_source
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
@@ -48,13 +49,15 @@ from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
 from ddptrain.train.sharded_state import by_name
 from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
+from ddptrain.train.token_mean import micro_batch_weights
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class StepResult:
-    """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches)."""
+    """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches; with
+    labels, its share of the step's mean over target tokens, train/token_mean.py: the ranks' mean is that mean)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -100,7 +103,9 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(
             n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed, stream=stream
         )
-        self.collate = build_collate(cfg.data)  # the same batching for training and evaluation
+        self.collate = build_collate(
+            cfg.data, data_source(cfg.data).pad_id
+        )  # the same batching for training and evaluation
         self.loader = self._loader(train_set)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
@@ -174,9 +179,10 @@ class Trainer:
         self.timer.start()
         self.ddp.train()
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for micro in range(self.accum):
-            batch = self.next_batch()
-            self.timer.lap("data")
+        batches = [self.next_batch() for _ in range(self.accum)]
+        self.timer.lap("data")
+        weights = micro_batch_weights(batches, self.ctx)  # batches with labels: the step's mean over target tokens
+        for micro, batch in enumerate(batches):
             # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() (DDP) or
             # FSDP2's gradient sync switch skips their all-reduce/reduce-scatter; the last backward
             # reduces the sum once.
@@ -184,7 +190,8 @@ class Trainer:
             set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
-                loss = call_model(self.ddp, batch, self.model_name) / self.accum
+                loss = call_model(self.ddp, batch, self.model_name)
+                loss = loss / self.accum if weights is None else loss * weights[micro]
             self.timer.lap("forward")
             self.precision.backward(loss)
             self.timer.lap("backward")
