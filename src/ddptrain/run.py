@@ -91,7 +91,7 @@ ConfigSource = Config | Mapping[str, Any] | str | Path | None
 class RunResult:
     """What a finished (or preempted) run reached; the same on every rank."""
 
-    status: str  # "completed", "stopped" (train.early_stop, a hook: exit 0), "preempted" or "interrupted"
+    status: str  # "completed", "finished_early" (train.early_stop, a hook: exit 0), "preempted" or "interrupted"
     step: int
     loss: float | None  # mean training loss of the last logged window
     val_loss: float | None  # last evaluation, None when there was none
@@ -153,11 +153,13 @@ class Run:
             stop.uninstall()
         self.progress.close()
         why = trainer.stopped_because  # train.early_stop or a hook: a normal end before max_steps
-        log.info("%s: %d steps; checkpoints in %s", why or "done", trainer.step, checkpoints_dir(self.cfg.run_dir))
-        self._end("stopped" if why else "completed", 0, **({"reason": why} if why else {}))  # before the artifacts
+        done = f"finished early at step {trainer.step}: {why}" if why else f"done: {trainer.step} steps"
+        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir))
+        ending = "finished_early" if why else "completed"
+        self._end(ending, 0, **({"reason": why} if why else {}))  # before the artifacts: the report tells it too
         if self.cfg.log.track_artifacts and ctx.is_main:
             self._upload_artifacts()
-        return self._result("stopped" if why else "completed")
+        return self._result(ending)
 
     def _end(self, kind: str, exit_code: int, **detail: Any) -> None:
         """Record how this attempt ends (observe/endings.py) in metrics.jsonl and the trackers; close() then

@@ -1,9 +1,10 @@
 """Metrics of your own: the extra scalars of a model's output dict and those train.metrics computes.
 
-A model whose forward returns a plain dict, `{"loss": ..., "accuracy": ...}`, has every entry beside
-"loss" recorded as a metric (a transformers ModelOutput, a dict subclass carrying logits, is read for its
-loss only: name its metrics with train.metrics). `train.metrics = "pkg.module:fn"` is called as
-fn(outputs, batch) on every micro-batch and returns a dict of scalar tensors of its own.
+A model whose forward returns a plain dict, `{"loss": ..., "accuracy": ...}`, has every 0-dim tensor
+beside "loss" recorded as a metric; its other entries (logits, hidden states) are outputs, not metrics,
+and a Python number there is refused. A transformers ModelOutput (a dict subclass) is read for its loss
+only: name its metrics with train.metrics. `train.metrics = "pkg.module:fn"` is called as fn(outputs,
+batch) on every micro-batch and returns a dict of 0-dim tensors, each a metric (anything else is refused).
 
 Training adds each micro-batch's values into device tensors (no host read: the step stays free of
 syncs); a logged step divides the window's sums, all-reduces them stacked in one tensor and reads them
@@ -44,6 +45,24 @@ def merge_metrics(record: dict[str, Any], metrics: Mapping[str, Any], origin: st
     record.update(metrics)
 
 
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex()
+
+
+def _scalars_of(output: Any, origin: str) -> dict[str, torch.Tensor]:
+    """The metrics in a forward's output: the 0-dim tensors of a plain dict beside "loss" (logits, hidden states
+    and other entries are outputs, not metrics); a Python number there is refused (it was read from the device)."""
+    if type(output) is not dict:
+        return {}
+    for name, value in output.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ConfigError(
+                f"{origin} returned metric {name!r} as a Python {type(value).__name__}; return a 0-dim tensor "
+                "(a number was read from the device at every step)"
+            )
+    return {k: v for k, v in output.items() if k != "loss" and _is_scalar(v)}
+
+
 class CustomMetrics:
     """The metrics of one run's forwards: `measure` for one micro-batch, `add`/`take` for a log window."""
 
@@ -55,8 +74,8 @@ class CustomMetrics:
         self._checked: frozenset[str] = frozenset()  # the names last validated: checked again when they change
 
     def measure(self, output: Any, batch: Any) -> dict[str, torch.Tensor]:
-        """The scalars one forward measured, as device tensors; ConfigError for a bad name or a non-scalar."""
-        found = {k: v for k, v in output.items() if k != "loss"} if type(output) is dict else {}
+        """The scalars one forward measured, as device tensors; ConfigError for a bad name or value."""
+        found = _scalars_of(output, self.origin)
         if self.fn is not None:
             extra = self.fn(output, batch)
             if not isinstance(extra, Mapping):
@@ -64,15 +83,19 @@ class CustomMetrics:
             both = sorted(found.keys() & extra.keys())
             if both:
                 raise ConfigError(f"train.metrics={self.target!r} returned {both}, which the model's output has too")
+            for name, value in extra.items():  # shape and dtype are metadata: no device read
+                if not _is_scalar(value):
+                    shape = (
+                        f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+                    )
+                    raise ConfigError(
+                        f"train.metrics={self.target!r} returned {name!r} as {shape}; a metric is a 0-dim tensor"
+                    )
             found.update(extra)
         if found.keys() != self._checked:
             for name in found:
                 check_metric_name(name, self.origin)
             self._checked = frozenset(found)
-        for name, value in found.items():  # shape and dtype are metadata: no device read
-            if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.is_complex():
-                shape = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
-                raise ConfigError(f"{self.origin} returned metric {name!r} as {shape}; a metric is a scalar tensor")
         return found
 
     def add(self, output: Any, batch: Any, scale: float) -> None:

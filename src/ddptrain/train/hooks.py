@@ -5,7 +5,7 @@ on_checkpoint(record). Each receives a read-only copy (a MappingProxyType) of th
 gets: a logged step's, an evaluation's, a committed checkpoint's. A method that returns True (or a
 non-empty string, the reason) asks the run to stop: the request travels the stop agreement of
 preemption (train/agreement.py), so every rank stops after the same step, one step after the request,
-with a committed checkpoint, and the run ends "stopped" (exit 0; RunResult.status "stopped").
+with a committed checkpoint, and the run ends "finished_early" (exit 0; RunResult.status "finished_early").
 
 Hooks run on every rank, with that rank's record: the loss, metrics and evaluations are all-reduced
 (the same everywhere), timings are the rank's own; a stop asked on any one rank stops them all.
@@ -68,4 +68,6 @@ class Hooks:
         """Why the run stops when the ranks agreed on a hook's stop (a rank that did not ask says so); else None."""
         if agreed != HOOK_STOP:
             return None
-        return f"a hook asked to stop: {self.stop_reason or 'a hook on another rank asked'}"
+        return (
+            f"a hook asked to stop: {self.stop_reason}" if self.stop_reason else "a hook on another rank asked to stop"
+        )

@@ -420,7 +420,7 @@ class Trainer:
         self.metrics.write("train", **record)
         self.hooks.call("on_log", record)
         shown: dict[str, Any] = {
-            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu") if k in record
+            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", *custom) if k in record
         }
         self.progress.update(self.step, shown)
 
