@@ -333,7 +333,11 @@ def _attempt_lines(story: Story) -> list[str]:
     """How each attempt ended, one line each (a crash without an end record says what may have killed it)."""
     lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
     for i, (attempt, ending) in enumerate(zip(story.attempts, story.endings), 1):
-        what = ending.detail if ending.detail.startswith(ending.kind) else f"{ending.kind}: {ending.detail}"
+        what = (
+            ending.detail
+            if ending.detail.startswith(ending.kind.replace("_", " "))
+            else f"{ending.kind}: {ending.detail}"
+        )
         lines.append(
             f"  attempt {i} from step {attempt.start.get('step', 0)} at world size {attempt.world_size}: {what}"
         )
