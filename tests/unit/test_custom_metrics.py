@@ -135,3 +135,19 @@ def test_a_metric_no_evaluation_records_exits_2_before_training(
         ["train", f"run.dir={tmp_path / 'run'}", "train.early_stop={}", "train.eval_every=0"], capsys
     )
     assert "set train.eval_every above 0" in line
+
+
+def test_early_stop_without_a_validation_set_is_refused_before_training(tmp_path: Path) -> None:
+    from metrics_toy import plateau_model
+    from varlen_toy import bare_datasets
+
+    import ddptrain
+
+    config = {
+        "run": {"dir": str(tmp_path / "run")},
+        "data": {"micro_batch_size": 4},
+        "train": {"early_stop": {}, "global_batch_size": 4},
+    }
+    with pytest.raises(ConfigError, match="^train.early_stop judges evaluations, and the data has no validation set$"):
+        ddptrain.train(config, model=plateau_model(), datasets=(bare_datasets()[0], None))
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run was accepted

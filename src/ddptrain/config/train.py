@@ -66,7 +66,7 @@ class TrainConfig(Section):
     )
     metrics: LineText | None = Field(
         None,
-        description="'pkg.module:fn' called as fn(outputs, batch) on every micro-batch (training and evaluation) and returning a dict of scalar tensors: metrics of your own, beside the extra scalars of a model's output dict.",
+        description="'pkg.module:fn' called as fn(outputs, batch) on every micro-batch (training and evaluation) and returning a dict of 0-dim tensors: metrics of your own, beside the 0-dim tensors of a model's output dict.",
     )
     early_stop: EarlyStopConfig | None = Field(
         None,

@@ -86,3 +86,12 @@ class EarlyStop:
         if (state.get("metric"), state.get("mode")) != (self.cfg.metric, self.cfg.mode):
             return
         self.best, self.best_step, self.since_best = state["best"], state["best_step"], int(state["since"])
+
+
+def build_early_stop(cfg: EarlyStopConfig | None, has_validation: bool) -> EarlyStop | None:
+    """train.early_stop's count (None without one); ConfigError when the data has no validation set to judge."""
+    if cfg is None:
+        return None
+    if not has_validation:
+        raise ConfigError("train.early_stop judges evaluations, and the data has no validation set")
+    return EarlyStop(cfg)

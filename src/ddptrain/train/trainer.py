@@ -28,7 +28,7 @@ from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
-from ddptrain.errors import ConfigError, LeaseLost, Preempted
+from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
 from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -39,7 +39,7 @@ from ddptrain.observe.triage import Triage
 from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
-from ddptrain.train.early_stop import EarlyStop, Verdict
+from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
 from ddptrain.train.hooks import Hooks
 from ddptrain.train.nonfinite import NonFiniteSteps
@@ -95,9 +95,7 @@ class Trainer:
         self.model_name = model_name(self.model, cfg.model.target)
         self.custom = CustomMetrics(cfg.train.metrics, self.model_name)
         self.hooks = Hooks()  # the Python API's (run.train sets them)
-        self.early_stop = EarlyStop(cfg.train.early_stop) if cfg.train.early_stop else None
-        if self.early_stop is not None and val_set is None:
-            raise ConfigError("train.early_stop judges evaluations, and the data has no validation set")
+        self.early_stop = build_early_stop(cfg.train.early_stop, has_validation=val_set is not None)
         self.accum = cfg.grad_accum_steps(ctx.world_size)
         self.optimizer = build_optimizer(self.model, cfg, ctx.device)
         self.scheduler = build_schedule(self.optimizer, cfg)
@@ -333,7 +331,9 @@ class Trainer:
             if self.stragglers.due(self.step):
                 self.log_stragglers()
             verdict = self.evaluate_and_save(agreed, last, watchdog)
-            if verdict.stop:  # the same verdict on every rank: an agreed hook stop, or all-reduced evaluations
+            if (
+                verdict.stop and not last
+            ):  # the same verdict on every rank: an agreed hook stop, or all-reduced evaluations
                 self.stopped_because = self.hooks.agreed_reason(agreed) or self.early_stop_reason()
                 break
             if stop and not last:
