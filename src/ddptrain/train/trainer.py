@@ -1,6 +1,7 @@
 """The Trainer: one object, plainly named steps. Read `train_step` to see a whole DDP step.
 
-fit()            loop: train_step -> log -> check replicas -> evaluate -> checkpoint, until max_steps
+fit()            loop: train_step -> log -> evaluate -> check replicas -> checkpoint, until max_steps (or an
+                 early stop, a hook's stop: train/early_stop.py, train/hooks.py)
 train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss (and metrics of your own) over all ranks
@@ -331,9 +332,8 @@ class Trainer:
             if self.stragglers.due(self.step):
                 self.log_stragglers()
             verdict = self.evaluate_and_save(agreed, last, watchdog)
-            if (
-                verdict.stop and not last
-            ):  # the same verdict on every rank: an agreed hook stop, or all-reduced evaluations
+            # The same verdict on every rank: an agreed hook stop, or a judgement of all-reduced evaluations.
+            if verdict.stop and not last:
                 self.stopped_because = self.hooks.agreed_reason(agreed) or self.early_stop_reason()
                 break
             if stop and not last:
