@@ -4,8 +4,8 @@
 on_checkpoint(record). Each receives a read-only copy (a MappingProxyType) of the record metrics.jsonl
 gets: a logged step's, an evaluation's, a committed checkpoint's. A method that returns True (or a
 non-empty string, the reason) asks the run to stop: the request travels the stop agreement of
-preemption (train/agreement.py), so every rank stops after the same step, one step after the request,
-with a committed checkpoint, and the run ends "finished_early" (exit 0; RunResult.status "finished_early").
+preemption (train/agreement.py), so every rank stops after the same step (the agreement started after
+the next step carries it: two steps after the request), with a committed checkpoint, and the run ends "finished_early" (exit 0; RunResult.status "finished_early").
 
 Hooks run on every rank, with that rank's record: the loss, metrics and evaluations are all-reduced
 (the same everywhere), timings are the rank's own; a stop asked on any one rank stops them all.
