@@ -12,6 +12,7 @@ Run the script as one process, or under `torchrun --nproc-per-node N script.py` 
 from ddptrain.config import Config, load_config
 from ddptrain.errors import DdptrainError, UserError
 from ddptrain.run import RunResult, train
+from ddptrain.train.hooks import TrainingHook
 
-__all__ = ["Config", "DdptrainError", "RunResult", "UserError", "load_config", "train"]
+__all__ = ["Config", "DdptrainError", "RunResult", "TrainingHook", "UserError", "load_config", "train"]
 __version__ = "0.1.0"

@@ -71,6 +71,7 @@ from ddptrain.run_folder import checkpoints_dir, config_file, export_dir, report
 from ddptrain.run_sources import ModelSource, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
+from ddptrain.train.hooks import Hooks
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaDivergence
@@ -87,7 +88,7 @@ ConfigSource = Config | Mapping[str, Any] | str | Path | None
 class RunResult:
     """What a finished (or preempted) run reached; the same on every rank."""
 
-    status: str  # "completed" or "preempted"
+    status: str  # "completed", "finished_early" (train.early_stop, a hook: exit 0), "preempted" or "interrupted"
     step: int
     loss: float | None  # mean training loss of the last logged window
     val_loss: float | None  # last evaluation, None when there was none
@@ -148,11 +149,14 @@ class Run:
             self.triage.idle()
             stop.uninstall()
         self.progress.close()
-        log.info("done: %d steps; checkpoints in %s", trainer.step, checkpoints_dir(self.cfg.run_dir))
-        self._end("completed", 0)  # before the artifacts: the uploaded report tells the ending too
+        why = trainer.stopped_because  # train.early_stop or a hook: a normal end before max_steps
+        done = f"finished early at step {trainer.step}: {why}" if why else f"done: {trainer.step} steps"
+        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir))
+        ending = "finished_early" if why else "completed"
+        self._end(ending, 0, **({"reason": why} if why else {}))  # before the artifacts: the report tells it too
         if self.cfg.log.track_artifacts and ctx.is_main:
             self._upload_artifacts()
-        return self._result("completed")
+        return self._result(ending)
 
     def _end(self, kind: str, exit_code: int, **detail: Any) -> None:
         """Record how this attempt ends (observe/endings.py) in metrics.jsonl and the trackers; close() then
@@ -342,6 +346,7 @@ def train(
     model: ModelSource = None,
     datasets: LiveData = None,
     overrides: Sequence[str] = (),
+    hooks: Sequence[object] = (),
 ) -> RunResult:
     """Train per the config on this process's share of the job (one process, or one rank under torchrun).
 
@@ -350,12 +355,15 @@ def train(
     with model.kwargs), instead of `model.target`/the built-in GPT (build it the same way on every rank).
     datasets: (train, val or None), or a factory returning them (called with data.kwargs), instead of
     `data.*`. An importable factory is recorded in config.yaml as model.target/data.target, so `ddptrain
-    eval` rebuilds it; live objects are recorded as model.live/data.live (run_sources.py). Returns a RunResult; raises a ddptrain.errors.DdptrainError subclass on failure.
+    eval` rebuilds it; live objects are recorded as model.live/data.live (run_sources.py). hooks: objects
+    with any of on_log, on_eval, on_checkpoint (train/hooks.py). Returns a RunResult; raises a
+    ddptrain.errors.DdptrainError subclass on failure.
     """
     timeline = RecoveryTimeline.from_environment()
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
     cfg, model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
+    checked_hooks = Hooks(hooks)
     watch = AgentWatch.under_agent()  # a worker of torchrun's agent stops when the agent dies
     try:
         with (
@@ -364,6 +372,7 @@ def train(
         ):
             timeline.mark("process_group_ready")
             run = build_run(cfg, ctx, model, datasets, timeline=timeline)
+            run.trainer.hooks = checked_hooks
             logs.accept()  # the run is accepted: its set-up lines reach the rank's log file
             if watch is not None and run.lease is not None:
                 watch.before_hard_exit(run.lease.release)

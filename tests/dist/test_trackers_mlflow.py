@@ -194,3 +194,22 @@ def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(serve
     assert run.info.status == "FINISHED" and tags["ddptrain.status"] == "completed"  # type: ignore[attr-defined]
     assert tags["ddptrain.attempts"] == "3" and tags["ddptrain.ending.3"] == "completed at step 8 (exit 0)"
     assert steps_of(client, run_id, "train/loss") == list(range(1, 9))
+
+
+@pytest.mark.timeout(300)
+def test_metrics_of_your_own_and_an_early_stop_reach_mlflow(server: MlflowServer, tmp_path: Path) -> None:
+    """tests/metrics_toy.py's metrics and train.metrics' are series of their own; an early stop is FINISHED."""
+    args = ["train", f"run.dir={tmp_path / 'run'}", "model.target=metrics_toy:plateau_model", "model.kwargs={peak: 2}",
+            "data.target=varlen_toy:bare_datasets", "train.metrics=metrics_toy:target_mean",
+            "data.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=20", "train.warmup_steps=0",
+            "train.eval_every=2", "train.eval_batches=1", "log.every_steps=1", "ckpt.every_steps=0",
+            "train.early_stop={metric: val_plateau, mode: max, patience: 1}", *tracked(server, "own-metrics")]
+    done = run_ddptrain(args, timeout=200)
+    assert done.returncode == 0, done.stdout + done.stderr
+    client = server.client()
+    run = only_run(client, "own-metrics")
+    run_id = run.info.run_id  # type: ignore[attr-defined]
+    for name in ("abs_err", "plateau", "target_mean"):  # plateau: 2 from step 2 on (accumulation 2, peak 2)
+        assert steps_of(client, run_id, f"train/{name}") == [1, 2, 3, 4], name
+        assert steps_of(client, run_id, f"eval/val_{name}") == [2, 4], name
+    assert run.info.status == "FINISHED" and run.data.tags["ddptrain.status"] == "finished_early"  # type: ignore[attr-defined]

@@ -131,8 +131,9 @@ def test_a_padded_val_loss_is_the_mean_over_tokens_however_samples_are_grouped()
     data = VarLenTokens(10, 32, 1, 17, seed=3)  # lengths from 1: some samples have no target at all
     collate = functools.partial(pad_collate, pad_id=0)
 
-    def forward(model: nn.Module, batch: Any) -> torch.Tensor:
-        return call_model(model, batch, "gpt")
+    def forward(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return call_model(model, batch, "gpt"), {}
 
-    by_micro = [evaluate_loss(gpt, data, 10, micro, DistContext(), forward, collate) for micro in (1, 3, 10)]
+    results = [evaluate_loss(gpt, data, 10, micro, DistContext(), forward, collate) for micro in (1, 3, 10)]
+    by_micro = [r.loss if r is not None else None for r in results]
     assert by_micro[0] is not None and by_micro[1:] == pytest.approx([by_micro[0]] * 2, abs=1e-6)

@@ -326,6 +326,11 @@ RULES: list[tuple[str, Check | str]] = [
     ),
     (r"^kubectl apply ", "needs a Kubernetes cluster: tests/cluster/test_k8s_replicas.py runs the manifest's pods"),
     (r"^ddptrain export runs/default ", "needs a trained run: tests/unit/test_checkpoint.py exports one"),
+    (
+        r"^PYTHONPATH=tests torchrun --nproc-per-node 2 (-m ddptrain train model\.target=metrics_toy:|watch\.py$)"
+        r"|^ddptrain (eval|report) runs/plateau",
+        "metrics of your own, early stopping and a hook's stop: tests/dist/test_metrics_dist.py runs them",
+    ),
     (r"^ddptrain report runs/empty$", check_error_line),
     (r"^ddptrain doctor( --endpoint HEAD:29500)?$", "a bandwidth sweep: tests/unit/test_doctor_unit.py"),
     (r"^ddptrain generate runs/demo ", "needs the demo run: tests/unit/test_report.py samples from a trained run"),

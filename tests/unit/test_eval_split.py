@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
@@ -31,16 +34,22 @@ def test_the_number_of_samples_depends_on_the_config_and_the_set_only(batches: i
 
 
 class MeanOfX(nn.Module):
-    """A model whose batch loss is the batch's mean x, as the model protocol's mean loss per batch."""
+    """A model whose batch loss is the batch's mean x (the model protocol's mean loss per batch), and a metric: its max."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean()
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": x.mean(), "max": x.max()}
 
 
-def test_a_short_last_batch_weighs_by_its_samples() -> None:
+def measured(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = model(*batch)
+    return out["loss"], {"max": out["max"]}
+
+
+def test_a_short_last_batch_weighs_by_its_samples_and_so_do_the_metrics() -> None:
     x = torch.arange(10, dtype=torch.float32)
     data = TensorDataset(x)
-    loss = evaluate_loss(MeanOfX(), data, 10, 4, DistContext(), lambda m, batch: m(*batch))
+    result = evaluate_loss(MeanOfX(), data, 10, 4, DistContext(), measured)
     # batches of 4, 4 and 2: the mean of the three batch means would be (1.5 + 5.5 + 8.5) / 3 = 5.1667
-    assert loss == x.mean().item() == 4.5
-    assert evaluate_loss(MeanOfX(), data, 0, 4, DistContext(), lambda m, batch: m(*batch)) is None
+    assert result is not None and result.loss == x.mean().item() == 4.5
+    assert result.metrics == {"max": pytest.approx((4 * 3 + 4 * 7 + 2 * 9) / 10)}  # each batch's max, weighed alike
+    assert evaluate_loss(MeanOfX(), data, 0, 4, DistContext(), measured) is None

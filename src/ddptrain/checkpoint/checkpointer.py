@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddptrain.checkpoint.best import write_best
 from ddptrain.checkpoint.compat import ConfigChange, check_resume
 from ddptrain.checkpoint.durable import write_durable
 from ddptrain.checkpoint.formats.base import CheckpointFormat
@@ -108,6 +109,7 @@ class Checkpointer:
         self._done: list[SaveResult] = []
         self._group: dist.ProcessGroup | None = None
         self._known_good: set[str] = set()  # folders this process committed or verified (rank 0)
+        self._best: tuple[int, dict[str, Any]] | None = None  # (step, detail) to mark once committed
 
     def setup(self) -> None:
         """All ranks together: the checkpoint's own process group; rank 0 removes the other runs' temp folders.
@@ -137,6 +139,10 @@ class Checkpointer:
     def due(self, step: int, final: bool = False, stop: bool = False) -> bool:
         """Whether every rank saves after `step` (ckpt.every_steps, the final step, a coordinated stop)."""
         return self.policy.due(step, final, stop)
+
+    def mark_best(self, step: int, detail: dict[str, Any]) -> None:
+        """Before save(step): once committed, rank 0 marks it the best (checkpoint/best.py) ahead of the prune."""
+        self._best = (step, detail)
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -256,6 +262,8 @@ class Checkpointer:
         committed_error, lost = self._broadcast((committed_error, lost))
         if committed_error is None and self.ctx.is_main:
             self._known_good.add(final.name)
+            if self._best is not None and self._best[0] == step:
+                write_best(self.dir, self.timeline, step, self._best[1])
             self._prune_behind(step)
         return SaveResult(
             step,

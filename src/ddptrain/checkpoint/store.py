@@ -6,7 +6,8 @@ Rules (docs/checkpoints.md):
 - The search goes newest first and returns the first checkpoint that verifies; each rejected
   one is reported as a warning.
 - Nothing is deleted but by prune(), and prune() removes only fully verified checkpoints of the
-  current timeline, older than the newest committed one of that timeline.
+  current timeline, older than the newest committed one of that timeline, and never the one
+  checkpoints/best.json marks for that timeline (checkpoint/best.py: early stopping's best).
   Everything else that must leave the top level (an abandoned branch, a rejected folder newer
   than the resume point, an earlier run's checkpoints) is moved into checkpoints/archive/.
 """
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ddptrain.checkpoint.best import best_step
 from ddptrain.checkpoint.manifest import checkpoint_name, step_of
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, read_manifest, verify_checkpoint
 from ddptrain.errors import CheckpointError
@@ -82,7 +84,8 @@ def archive(ckpt_dir: Path, folders: list[Path], reason: str) -> Path | None:
 
 
 def prune(ckpt_dir: Path, timeline: str, newest_step: int, keep: int, known_good: set[str]) -> list[Path]:
-    """Delete verified checkpoints of `timeline` beyond the newest `keep`, never newest_step's; the deleted.
+    """Delete verified checkpoints of `timeline` beyond the newest `keep`, never newest_step's nor the marked
+    best one (checkpoint/best.py); the deleted.
 
     known_good: folder names this process wrote or fully verified itself; any other folder is
     verified (every byte) before it is deleted. A folder that does not verify, or belongs to
@@ -102,7 +105,10 @@ def prune(ckpt_dir: Path, timeline: str, newest_step: int, keep: int, known_good
     if not ours or step_of(ours[0].name) != newest_step:
         return []  # the newest commit is not where it should be: delete nothing
     doomed = []
+    best = best_step(ckpt_dir, timeline)
     for path in ours[max(keep, 1) :]:
+        if step_of(path.name) == best:
+            continue
         if path.name not in known_good:
             try:
                 verify_checkpoint(path, keep=False)

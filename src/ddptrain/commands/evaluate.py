@@ -5,7 +5,8 @@ built-in GPT, model.hf or model.target; the data's source (data/source.py: the p
 data.dir, data.target's datasets). A run whose model or data were live objects passed to
 `ddptrain.train()` exits 2 saying which key to add (models.require_model_source, the live source). The samples and the mean are
 train/evaluation.py's, so `--batches` equal to the run's `train.eval_batches` gives its val_loss at
-any world size.
+any world size. Metrics of your own (the extra scalars of a model's output dict, train.metrics) are
+printed after the perplexity, as `val_<name>` would record them: `name value`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ddptrain.config import Config, config_from_mapping
 from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models import build_model
-from ddptrain.models.loss import call_model, model_name, to_device
+from ddptrain.models.loss import model_name
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,13 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
     the job; the line to print on rank 0, None elsewhere."""
     from ddptrain.data.collate import build_collate
     from ddptrain.data.kinds import data_source
-    from ddptrain.train.evaluation import eval_samples, evaluate_loss
+    from ddptrain.train.custom_metrics import CustomMetrics
+    from ddptrain.train.evaluation import eval_samples, evaluate_loss, measured_forward
     from ddptrain.train.precision import Precision
 
     cfg, model = model_of(ckpt, overrides)
+    name = model_name(model, cfg.model.target)
+    custom = CustomMetrics(cfg.train.metrics, name)  # a train.metrics that does not import exits 2 here
     dataset, source = _eval_split(cfg, split, model)
     collate = build_collate(
         cfg.data, data_source(cfg.data).pad_id
@@ -101,19 +105,15 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
     ctx = init_distributed(cfg.dist)
     try:
         model.to(ctx.device)
-        precision = Precision(cfg.train.precision, ctx.device)
-        name = model_name(model, cfg.model.target)
-
-        def forward(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-            with precision.autocast():
-                return call_model(m, to_device(batch, ctx.device), name)
-
-        loss = evaluate_loss(model, dataset, n, cfg.data.micro_batch_size, ctx, forward, collate)
-        if not ctx.is_main or loss is None:
+        forward = measured_forward(Precision(cfg.train.precision, ctx.device), ctx.device, name, custom)
+        result = evaluate_loss(model, dataset, n, cfg.data.micro_batch_size, ctx, forward, collate)
+        if not ctx.is_main or result is None:
             return None
+        loss = result.loss
+        metrics = "".join(f", {k} {v:.6f}" for k, v in result.metrics.items())
         return (
             f"{ckpt.path.name} (step {ckpt.step}) on {source} {split}: {n} samples, "
-            f"loss {loss:.6f}, perplexity {math.exp(min(loss, 700)):.2f}"
+            f"loss {loss:.6f}, perplexity {math.exp(min(loss, 700)):.2f}{metrics}"
         )
     finally:
         close_distributed(ctx)

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from ddptrain.config.base import Section
+from ddptrain.config.base import LineText, Section
+
+# A metric name every tracker takes as it is (MLflow, TensorBoard, W&B) and a Python identifier's shape.
+METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+class EarlyStopConfig(Section):
+    metric: str = Field(
+        "val_loss",
+        description="What each evaluation is judged by: val_loss, or val_<name> for a metric of your own (an extra scalar of the model's output dict or of train.metrics); a val_<name> no evaluation records stops the run at the first evaluation (exit 2).",
+    )
+    patience: int = Field(3, ge=1, description="Stop after this many evaluations in a row without an improvement.")
+    min_delta: float = Field(
+        0.0, ge=0, description="An improvement is a change beyond the best value by more than this."
+    )
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better (a loss); max: higher is better.")
+
+    @field_validator("metric")
+    @classmethod
+    def _logged_at_evaluations(cls, value: str) -> str:
+        name = value.removeprefix("val_")
+        if not value.startswith("val_") or not METRIC_NAME.fullmatch(name):
+            raise ValueError(
+                f"{value!r} is never logged at an evaluation: use val_loss or val_<name> for a metric of your own "
+                "(e.g. val_accuracy)"
+            )
+        return value
 
 
 class TrainConfig(Section):
@@ -37,10 +64,24 @@ class TrainConfig(Section):
         ge=1,
         description="Global batches per evaluation: the first eval_batches x global_batch_size validation samples (all when fewer), the same samples at any world size; val_loss is their mean.",
     )
+    metrics: LineText | None = Field(
+        None,
+        description="'pkg.module:fn' called as fn(outputs, batch) on every micro-batch (training and evaluation) and returning a dict of 0-dim tensors: metrics of your own, beside the 0-dim tensors of a model's output dict.",
+    )
+    early_stop: EarlyStopConfig | None = Field(
+        None,
+        description="Stop when an evaluation metric stops improving: {metric, patience, min_delta, mode}; the best checkpoint is kept (checkpoints/best.json). None: train to max_steps.",
+    )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",
         description="When the (all-reduced) gradient is NaN/inf: skip the step on every rank (decided on the device), or stop every rank at the next logged step.",
     )
+
+    @model_validator(mode="after")
+    def _early_stop_has_evaluations(self) -> TrainConfig:
+        if self.early_stop is not None and self.eval_every == 0:
+            raise ValueError("train.early_stop judges evaluations: set train.eval_every above 0")
+        return self
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -59,13 +59,16 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
-    """The loss of one batch under the user-model protocol: a tensor is forward's one argument, a mapping
-    its keywords, a tuple or list its positional arguments (anything else: one argument)."""
+def model_output(model: torch.nn.Module, batch: Any) -> Any:
+    """What forward returns for one batch under the user-model protocol: a tensor is forward's one argument, a
+    mapping its keywords, a tuple or list its positional arguments (anything else: one argument)."""
     if isinstance(batch, Mapping):
-        output = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        output = model(*batch)
-    else:  # a tensor: unpacking it would pass each sample of the batch as an argument of its own
-        output = model(batch)
-    return extract_loss(output, name)
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)  # a tensor: unpacking it would pass each sample of the batch as an argument of its own
+
+
+def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
+    """The loss of one batch (model_output, then extract_loss)."""
+    return extract_loss(model_output(model, batch), name)

@@ -1,8 +1,10 @@
 """How an attempt of a run ended: the record written at its end, and how the report and the trackers read it.
 
-An attempt is one start of the training command. It ends in one of five ways:
+An attempt is one start of the training command. It ends in one of six ways:
 
     completed    it reached train.max_steps (exit 0)
+    finished_early  a decided end before max_steps with a committed checkpoint: train.early_stop, or a
+                 hook of the Python API asked (train/hooks.py) (exit 0; the record's reason says which)
     interrupted  Ctrl-C: every rank stopped at one step and committed a checkpoint (exit 130); a
                  second Ctrl-C quits at once, without a checkpoint (still 130, `checkpoint: false`)
     preempted    SIGTERM or SIGUSR1: every rank stopped at one step and committed a checkpoint (exit 75);
@@ -24,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ENDINGS = ("completed", "interrupted", "preempted", "stopped", "crashed")
+ENDINGS = ("completed", "finished_early", "interrupted", "preempted", "stopped", "crashed")
 # The exit code each ending means when its record does not say (records of older versions).
-EXIT_CODES = {"completed": 0, "interrupted": 130, "preempted": 75, "stopped": 1, "crashed": 1}
+EXIT_CODES = {"completed": 0, "finished_early": 0, "interrupted": 130, "preempted": 75, "stopped": 1, "crashed": 1}
 NO_RECORD = "killed (SIGKILL, out of memory), power lost or node lost?"
 
 
@@ -60,6 +62,8 @@ def describe(record: dict[str, Any]) -> str:
     code = record.get("exit_code", EXIT_CODES[kind])
     if kind == "completed":
         what = f"completed at step {step}"
+    elif kind == "finished_early":
+        what = f"finished early at step {step}: {record.get('reason') or 'no reason recorded'}"
     elif kind in ("interrupted", "preempted"):
         by = "Ctrl-C" if kind == "interrupted" else "a stop signal"
         signal = record.get("signal") or f"{by} on another rank"

@@ -1,10 +1,12 @@
 """`ddptrain report RUN_DIR`: plots and a short summary from a run's metrics.jsonl.
 
 Works while the run is going and after it crashed: a last line cut off mid-write is skipped.
-Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt. A run that was
+Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt, and a
+metric-<name>.png per metric of your own (train/custom_metrics.py: the names a train record lists in
+`custom_metrics`, and the val_<name> of evaluations). A run that was
 restarted is told as one story (review/story.py): records of abandoned attempts are dropped,
 restarts, resumes, world-size changes, skipped steps, failed saves and how each attempt ended
-(completed, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
+(completed, finished early, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
 plot, each kind in a colour and marker of its own with a legend, and listed with their times;
 throughput is given per world-size segment, and the goodput figure shows where the wall time went.
 """
@@ -50,6 +52,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 # ends (observe/endings.py) has a colour and a marker of its own.
 EVENT_STYLE = {
     "completed": ("darkgreen", "-", "*"),
+    "finished_early": ("tab:olive", "-", "p"),
     "interrupted": ("tab:cyan", "-.", "P"),
     "preempted": ("tab:orange", "-.", "s"),
     "stopped": ("tab:pink", ":", "h"),
@@ -198,6 +201,13 @@ def segments(story: Story) -> list[tuple[int, int, int, list[dict[str, Any]]]]:
     return out
 
 
+def custom_metric_names(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[str]:
+    """The metrics of the run's own: listed by its train records, or recorded by its evaluations as val_<name>."""
+    names = {str(n) for r in train for n in r.get("custom_metrics", [])}
+    names |= {k.removeprefix("val_") for e in evals for k in e if k.startswith("val_") and k != "val_loss"}
+    return sorted(names)
+
+
 def _throughput_key(train: list[dict[str, Any]]) -> str:
     return "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
 
@@ -246,6 +256,11 @@ def plot_all(run_dir: Path, story: Story, out: Path) -> list[Path]:
     paths.append(_save(fig, ax, story, out / "step_time.png"))
 
     paths.append(_plot_goodput(info, goodput(story), out / "goodput.png"))
+    for name in custom_metric_names(train, evals):
+        fig, ax = _figure(name, info, story, f"{name} (mean over the log window)")
+        ax.plot(*_series(train, name), label=f"train {name}")
+        ax.plot(*_series(evals, f"val_{name}"), "o-", label=f"val {name}")
+        paths.append(_save(fig, ax, story, out / f"metric-{name}.png"))
     return paths
 
 
@@ -318,10 +333,29 @@ def _attempt_lines(story: Story) -> list[str]:
     """How each attempt ended, one line each (a crash without an end record says what may have killed it)."""
     lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
     for i, (attempt, ending) in enumerate(zip(story.attempts, story.endings), 1):
-        what = ending.detail if ending.detail.startswith(ending.kind) else f"{ending.kind}: {ending.detail}"
+        what = (
+            ending.detail
+            if ending.detail.startswith(ending.kind.replace("_", " "))
+            else f"{ending.kind}: {ending.detail}"
+        )
         lines.append(
             f"  attempt {i} from step {attempt.start.get('step', 0)} at world size {attempt.world_size}: {what}"
         )
+    return lines
+
+
+def _metric_lines(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[str]:
+    """Per metric of the run's own: its first and last logged value, and its last evaluation."""
+    lines = []
+    for name in custom_metric_names(train, evals):
+        parts = []
+        steps, values = _series(train, name)
+        if steps:
+            parts.append(f"{_num(values[0])} at step {steps[0]} -> {_num(values[-1])} at step {steps[-1]}")
+        steps, values = _series(evals, f"val_{name}")
+        if steps:
+            parts.append(f"val {_num(values[-1])} at step {steps[-1]}")
+        lines.append(f"{name}: {'; '.join(parts)}")
     return lines
 
 
@@ -375,6 +409,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     if val:
         best = min(val, key=lambda e: e["val_loss"])
         lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
+    lines += _metric_lines(train, evals)
     lines += _throughput_lines(story, _throughput_key(train))
     if "peak_mem_mb" in last:
         lines.append(f"peak memory: {last['peak_mem_mb']:,.0f} MiB ({last.get('peak_mem_kind', '?')}, rank 0)")

@@ -5,7 +5,8 @@ for the same checkpoint: the samples are the first `eval_samples(...)` of the da
 that depends on the config, never on the world size), each read by exactly one rank, and the
 result is the mean over samples: every batch's loss (a mean over its samples, as the model
 protocol returns it) is weighted by the batch's sample count (a padded batch's: its target tokens),
-and the ranks all-reduce one (sum, count) pair.
+and the ranks all-reduce one (sum, count) pair. Metrics of your own (train/custom_metrics.py) are weighed
+like the loss and travel in the same all-reduce: `Evaluation.metrics`, keyed by their names.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from torch.utils.data import Dataset, default_collate
 
 from ddptrain.data.collate import IGNORE_INDEX
 from ddptrain.dist import DistContext
+from ddptrain.models.loss import extract_loss, model_output, to_device
+from ddptrain.train.custom_metrics import CustomMetrics
+from ddptrain.train.precision import Precision
 
 
 def eval_samples(eval_batches: int, global_batch_size: int, dataset_len: int) -> int:
@@ -54,6 +58,31 @@ def rank_batches(num_samples: int, world_size: int, rank: int, micro_batch_size:
     return batches + [EvalBatch([0], counts=False)] * (n_batches - len(batches))
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation's mean loss and the means of the metrics the forwards measured (the same on every rank)."""
+
+    loss: float
+    metrics: dict[str, float]
+
+
+Measured = tuple[torch.Tensor, Mapping[str, torch.Tensor]]  # a batch's mean loss and its metrics
+
+
+def measured_forward(
+    precision: Precision, device: torch.device, model_name: str, custom: CustomMetrics
+) -> Callable[[nn.Module, Any], Measured]:
+    """The forward of evaluate_loss for a run: the batch on device, under the run's autocast, its loss and metrics."""
+
+    def forward(model: nn.Module, batch: Any) -> Measured:
+        batch = to_device(batch, device)
+        with precision.autocast():
+            output = model_output(model, batch)
+            return extract_loss(output, model_name), custom.measure(output, batch)
+
+    return forward
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: nn.Module,
@@ -61,31 +90,41 @@ def evaluate_loss(
     num_samples: int,
     micro_batch_size: int,
     ctx: DistContext,
-    forward: Callable[[nn.Module, Any], torch.Tensor],
+    forward: Callable[[nn.Module, Any], Measured],
     collate: Callable[[list[Any]], Any] = default_collate,
-) -> float | None:
-    """Mean loss over samples [0, num_samples) of dataset, split over the ranks of ctx; None for no samples.
+) -> Evaluation | None:
+    """Mean loss (and metrics) over samples [0, num_samples) of dataset, split over the ranks of ctx; None for
+    no samples.
 
-    forward(model, batch) returns the scalar mean loss of one batch (under autocast if wanted); collate makes
-    the batch from the samples (the training loader's: data.collate).
+    forward(model, batch) returns the scalar mean loss of one batch and its metrics (under autocast if
+    wanted); collate makes the batch from the samples (the training loader's: data.collate).
     """
     if num_samples < 1:
         return None
     model.eval()
     # float64 sums: the total must not depend on how the samples were grouped into batches and ranks.
-    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    # [loss, weight, metric...]: the metrics' names come from the first batch (every rank runs one).
+    totals: torch.Tensor | None = None
+    names: list[str] = []
     for batch in rank_batches(num_samples, ctx.world_size, ctx.rank, micro_batch_size):
         samples = collate([dataset[j] for j in batch.ids])
-        loss = forward(model, samples)
+        loss, metrics = forward(model, samples)
+        if totals is None:
+            names = sorted(metrics)
+            totals = torch.zeros(2 + len(names), dtype=torch.float64, device=ctx.device)
         if batch.counts:
             weight = _weight(samples, len(batch.ids), ctx.device)
+            values = torch.stack([loss.detach(), *(metrics[n].detach() for n in names)]).double()
             # A batch with no target (every sample one token) has a NaN mean that must not count.
-            totals[0] += torch.where(weight > 0, loss.detach().double() * weight, 0.0)
+            weighted = torch.where(weight > 0, values * weight, 0.0)
+            totals[0] += weighted[0]
             totals[1] += weight
+            totals[2:] += weighted[1:]
+    assert totals is not None  # every rank runs at least one batch
     if ctx.is_distributed:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
-    loss_sum, count = totals.tolist()
-    return float(loss_sum / count)
+    loss_sum, count, *sums = totals.tolist()
+    return Evaluation(float(loss_sum / count), {n: s / count for n, s in zip(names, sums)})
 
 
 def _weight(batch: Any, n_samples: int, device: torch.device) -> torch.Tensor:

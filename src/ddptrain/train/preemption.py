@@ -34,8 +34,9 @@ from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, DdptrainError, Int
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_SIGNALS = (*PREEMPT_SIGNALS, signal.SIGINT)
-# What a rank contributes to the agreement (`level`); the largest wins on every rank.
-NO_STOP, INTERRUPT, PREEMPT, LEASE_LOST = 0, 1, 2, 3
+# What a rank contributes to the agreement (`level`); the largest wins on every rank. HOOK_STOP: a hook of the
+# Python API asked for a stop (train/hooks.py): a committed checkpoint and a normal end, below any signal's stop.
+NO_STOP, HOOK_STOP, INTERRUPT, PREEMPT, LEASE_LOST = 0, 1, 2, 3, 4
 _EXIT_CODES = {INTERRUPT: EXIT_INTERRUPTED, PREEMPT: EXIT_PREEMPTED}
 
 # This process's stop, once decided: (what stopped it, exit code). Read by the command's last handler

@@ -120,3 +120,19 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler
     if not isinstance(scheduler, LRScheduler):
         raise ConfigError(f"schedule.target={target!r} returned {type(scheduler).__name__}, not a torch LRScheduler")
     return scheduler
+
+
+def apply_lr(scheduler: Any, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """At a resume: train.lr of this run, not the checkpoint's: a changed lr scales the schedule from the resume
+    step on.
+
+    Untouched when train.lr is the saved one, so an unchanged config resumes bit-exactly.
+    """
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if not base_lrs or all(base == lr for base in base_lrs):
+        return
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = group["lr"] * (lr / base) if base else lr
+        group["initial_lr"] = lr
+    scheduler.base_lrs = [lr for _ in base_lrs]
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports

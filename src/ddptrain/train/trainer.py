@@ -1,9 +1,11 @@
 """The Trainer: one object, plainly named steps. Read `train_step` to see a whole DDP step.
 
-fit()            loop: train_step -> log -> check replicas -> evaluate -> checkpoint, until max_steps
+fit()            loop: train_step -> log -> evaluate -> check replicas -> checkpoint, until max_steps (or an
+                 early stop, a hook's stop: train/early_stop.py, train/hooks.py)
 train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
                  no device-to-host sync unless the step is logged (`logs_at`)
-evaluate()       mean validation loss over all ranks
+evaluate()       mean validation loss (and metrics of your own) over all ranks
+log_eval()       records an evaluation; train.early_stop judges it (train/early_stop.py)
 save_checkpoint  transactional save through the Checkpointer
 state_dict()     everything a bit-exact resume needs (RNGs are saved per rank)
 """
@@ -29,7 +31,7 @@ from ddptrain.data.kinds import data_source
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
-from ddptrain.models.loss import call_model, model_name, to_device
+from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
 from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.perf import StepTimer, Throughput
@@ -38,15 +40,18 @@ from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.triage import Triage
 from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
-from ddptrain.train.evaluation import eval_samples, evaluate_loss
+from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
+from ddptrain.train.early_stop import Verdict, build_early_stop
+from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
+from ddptrain.train.hooks import Hooks
 from ddptrain.train.nonfinite import NonFiniteSteps
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import unwrap_model
 from ddptrain.train.precision import Precision
-from ddptrain.train.preemption import LEASE_LOST, NO_STOP, StopRequest
+from ddptrain.train.preemption import HOOK_STOP, LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
-from ddptrain.train.schedules import PlannedSchedule, build_schedule, config_plan
+from ddptrain.train.schedules import PlannedSchedule, apply_lr, build_schedule, config_plan
 from ddptrain.train.sharded_state import by_name
 from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
 from ddptrain.train.token_mean import micro_batch_weights
@@ -92,6 +97,9 @@ class Trainer:
         self.ddp = model  # what the step calls: DDP (and torch.compile) around the user's module
         self.model = unwrap_model(model)
         self.model_name = model_name(self.model, cfg.model.target)
+        self.custom = CustomMetrics(cfg.train.metrics, self.model_name)
+        self.hooks = Hooks()  # the Python API's (run.train sets them)
+        self.early_stop = build_early_stop(cfg.train.early_stop, has_validation=val_set is not None)
         self.accum = cfg.grad_accum_steps(ctx.world_size)
         self.optimizer = build_optimizer(self.model, cfg, ctx.device)
         self.scheduler = build_schedule(self.optimizer, cfg)
@@ -132,6 +140,7 @@ class Trainer:
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
+        self.stopped_because: str | None = None  # an early stop or a hook's: why the run ended before max_steps
         self._batches: Iterator[Any] | None = None
 
     def _loader(self, train_set: Dataset[Any]) -> DataLoader[Any]:
@@ -190,8 +199,10 @@ class Trainer:
             set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
-                loss = call_model(self.ddp, batch, self.model_name)
+                output = model_output(self.ddp, batch)
+                loss = extract_loss(output, self.model_name)
                 loss = loss / self.accum if weights is None else loss * weights[micro]
+                self.custom.add(output, batch, 1 / self.accum)  # device sums: no host read
             self.timer.lap("forward")
             self.precision.backward(loss)
             self.timer.lap("backward")
@@ -215,19 +226,15 @@ class Trainer:
 
     # ---- evaluation -------------------------------------------------------------------------
 
-    def evaluate(self) -> float | None:
-        """Mean validation loss over the first train.eval_batches x train.global_batch_size samples (any world size)."""
+    def evaluate(self) -> Evaluation | None:
+        """Mean validation loss and metrics over the first train.eval_batches x train.global_batch_size samples (any world size)."""
         if self.val_set is None:
             return None
         train = self.cfg.train
         n = eval_samples(train.eval_batches, train.global_batch_size, len(self.val_set))  # type: ignore[arg-type]
         micro = self.cfg.data.micro_batch_size
-        return evaluate_loss(self.model, self.val_set, n, micro, self.ctx, self.eval_forward, self.collate)
-
-    def eval_forward(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The loss of one evaluation batch, on the device and under the run's autocast."""
-        with self.precision.autocast():
-            return call_model(model, to_device(batch, self.ctx.device), self.model_name)
+        forward = measured_forward(self.precision, self.ctx.device, self.model_name, self.custom)
+        return evaluate_loss(self.model, self.val_set, n, micro, self.ctx, forward, self.collate)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -244,6 +251,7 @@ class Trainer:
                 "scaler": self.precision.state_dict(),
                 "sampler": self.sampler.state_dict(),
                 "world_size": self.ctx.world_size,
+                "early_stop": self.early_stop.state_dict() if self.early_stop is not None else None,
             },
         }
 
@@ -258,25 +266,12 @@ class Trainer:
         t = state["trainer"]
         self.step = t["step"]
         self.scheduler.load_state_dict(t["scheduler"])
-        self._apply_lr()
+        apply_lr(self.scheduler, self.optimizer, self.cfg.train.lr)
         self.precision.load_state_dict(t["scaler"])
         self.sampler.load_state_dict(t["sampler"])
+        if self.early_stop is not None and t.get("early_stop"):  # older checkpoints have none
+            self.early_stop.load_state_dict(t["early_stop"])
         self._batches = None
-
-    def _apply_lr(self) -> None:
-        """train.lr of this run, not the checkpoint's: a changed lr scales the schedule from the resume step on.
-
-        Untouched when train.lr is the saved one, so an unchanged config resumes bit-exactly.
-        """
-        lr = self.cfg.train.lr
-        base_lrs = getattr(self.scheduler, "base_lrs", None)
-        if not base_lrs or all(base == lr for base in base_lrs):
-            return
-        for group, base in zip(self.optimizer.param_groups, base_lrs):
-            group["lr"] = group["lr"] * (lr / base) if base else lr
-            group["initial_lr"] = lr
-        self.scheduler.base_lrs = [lr for _ in base_lrs]
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # what get_last_lr() reports
 
     def save_checkpoint(self) -> None:
         """All ranks: save the current step (each rank writes its share of the state, and its own RNG)."""
@@ -309,7 +304,8 @@ class Trainer:
 
         stop_request: a coordinated stop (Preempted or, after Ctrl-C, Interrupted once the checkpoint is
         committed). The ranks agree on it one
-        step late (train.agreement), so every rank stops after the same step without blocking any.
+        step late (train.agreement), so every rank stops after the same step without blocking any. A hook's
+        stop travels the same way; it and train.early_stop end the loop normally, with `stopped_because` set.
         watchdog: armed around each step to dump stacks when a step hangs.
         timeline: a restart's marks; the first step completes it (the `recovery` event).
         """
@@ -318,13 +314,17 @@ class Trainer:
             self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
         window_loss = torch.zeros((), device=self.ctx.device)
         window_steps, window_time = 0, 0.0
+        if self.early_stop is not None and self.early_stop.stopped:  # resumed from the checkpoint it stopped at
+            self.stopped_because = self.early_stop_reason()
+            return
         while self.step < cfg.train.max_steps:
             if watchdog is not None:
                 watchdog.arm(self.step + 1)
             result = self.train_step()
             if timeline is not None and timeline.waiting:
                 timeline.first_step(self.step, result.loss, self.metrics.write)
-            agreed = self.agreement.poll(stop_request.level) if stop_request is not None else NO_STOP
+            level = max(stop_request.level if stop_request is not None else NO_STOP, self.hooks.level)
+            agreed = self.agreement.poll(level) if stop_request is not None or self.hooks.hooks else NO_STOP
             stop = agreed != NO_STOP
             if watchdog is not None:
                 watchdog.disarm()
@@ -340,16 +340,11 @@ class Trainer:
                 window_steps, window_time = 0, 0.0
             if self.stragglers.due(self.step):
                 self.log_stragglers()
-            saving = self.checkpointer.due(self.step, final=last, stop=stop)
-            if self.replicas.due(self.step, self.logs_at(self.step)) or saving:
-                self.check_replicas()  # before every save: a checkpoint is never committed from replicas that disagree
-            if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or last):
-                with _phase(watchdog, "evaluation"):
-                    self.log_eval()
-            if saving:
-                with _phase(watchdog, "checkpoint"):
-                    self.save_checkpoint()
-                    self.report_saves()
+            verdict = self.evaluate_and_save(agreed, last, watchdog)
+            # The same verdict on every rank: an agreed hook stop, or a judgement of all-reduced evaluations.
+            if verdict.stop and not last:
+                self.stopped_because = self.hooks.agreed_reason(agreed) or self.early_stop_reason()
+                break
             if stop and not last:
                 self.agreement.wait()
                 with _phase(watchdog, "checkpoint"):
@@ -358,6 +353,26 @@ class Trainer:
         self.agreement.wait()
         with _phase(watchdog, "checkpoint"):
             self.finish_saves()
+
+    def evaluate_and_save(self, agreed: int, last: bool, watchdog: Triage | None) -> Verdict:
+        """All ranks, after a step's logs: evaluate when due; check the replicas and save when due, at an agreed
+        stop and at a new best evaluation. Whether to stop here: a hook's agreed stop, train.early_stop's."""
+        verdict = Verdict(improved=False, stop=agreed == HOOK_STOP)
+        if self.cfg.train.eval_every and (self.step % self.cfg.train.eval_every == 0 or last):
+            with _phase(watchdog, "evaluation"):
+                verdict = self.log_eval(verdict)
+        saving = self.checkpointer.due(self.step, last, agreed != NO_STOP or verdict.stop) or verdict.improved
+        if self.replicas.due(self.step, self.logs_at(self.step)) or saving:
+            self.check_replicas()  # before every save: a checkpoint is never committed from replicas that disagree
+        if saving:
+            with _phase(watchdog, "checkpoint"):
+                self.save_checkpoint()
+                self.report_saves()
+        return verdict
+
+    def early_stop_reason(self) -> str:
+        """Why train.early_stop ended the run (empty without one)."""
+        return self.early_stop.reason() if self.early_stop is not None else ""
 
     def _lease_lost(self, stop_request: StopRequest | None) -> LeaseLost:
         """Every rank at the same step: another run took the folder's lease (rank 0 names it; the others may
@@ -409,9 +424,14 @@ class Trainer:
         if skipped:
             record["skipped_steps"] = skipped
             log.warning("%d step(s) skipped for a non-finite gradient up to step %d", skipped, self.step)
+        custom = self.custom.take(self.ctx, steps)
+        merge_metrics(record, custom, self.custom.origin)
+        if custom:
+            record["custom_metrics"] = sorted(custom)  # how ddptrain report tells them from the built-in keys
         self.metrics.write("train", **record)
+        self.hooks.call("on_log", record)
         shown: dict[str, Any] = {
-            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu") if k in record
+            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", *custom) if k in record
         }
         self.progress.update(self.step, shown)
 
@@ -432,14 +452,25 @@ class Trainer:
             write_forensics(stacks_dir(self.cfg.run_dir), record)
         raise ReplicaDivergence(record["verdict"])
 
-    def log_eval(self) -> None:
-        """All ranks evaluate; rank 0 records val_loss."""
-        val_loss = self.evaluate()
-        if val_loss is None:
-            return
-        self.last_val_loss = val_loss
-        self.metrics.write("eval", step=self.step, val_loss=val_loss)
-        log.info("step %6d  val_loss %.4f", self.step, val_loss)
+    def log_eval(self, verdict: Verdict) -> Verdict:
+        """All ranks evaluate; rank 0 records val_loss and val_<name>; the hooks see the record and
+        train.early_stop judges it (a new best is saved and marked). verdict: this step's so far."""
+        result = self.evaluate()
+        if result is None:
+            return verdict
+        self.last_val_loss = result.loss
+        record: dict[str, Any] = {"step": self.step, "val_loss": result.loss}
+        merge_metrics(record, {f"val_{k}": v for k, v in result.metrics.items()}, self.custom.origin)
+        self.metrics.write("eval", **record)
+        log.info("step %6d  %s", self.step, "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        self.hooks.call("on_eval", record)
+        if self.early_stop is None:
+            return verdict
+        judged = self.early_stop.observe(record, self.step)
+        if judged.improved:
+            metric = self.early_stop.cfg.metric
+            self.checkpointer.mark_best(self.step, {"metric": metric, "value": record[metric]})
+        return Verdict(judged.improved, judged.stop or verdict.stop)
 
     def report_saves(self) -> None:
         """Record finished saves; the checkpoint policy then decides whether a failure stops the run."""
@@ -454,9 +485,9 @@ class Trainer:
 
     def _report_save(self, r: SaveResult) -> None:
         if r.ok:
-            self.metrics.write(
-                "event", event="checkpoint", step=r.step, blocked_s=r.blocked_s, total_s=r.total_s, path=str(r.path)
-            )
+            record = {"event": "checkpoint", "step": r.step, "blocked_s": r.blocked_s, "total_s": r.total_s}
+            self.metrics.write("event", **record, path=str(r.path))
+            self.hooks.call("on_checkpoint", {**record, "path": str(r.path)})
             log.info("checkpoint step %d committed (%.2fs, loop blocked %.3fs)", r.step, r.total_s, r.blocked_s)
             return
         self.metrics.write("event", event="checkpoint_failed", step=r.step, error=r.error)

@@ -41,6 +41,7 @@ def build(cfg: Config, state: TrackerState | None) -> MLflowTracker:
 # never started training). A resume sets the run RUNNING again.
 STATUS = {
     "completed": "FINISHED",
+    "finished_early": "FINISHED",
     "interrupted": "KILLED",
     "preempted": "KILLED",
     "stopped": "FAILED",

@@ -32,7 +32,15 @@ def build(cfg: Config, state: TrackerState | None) -> WandbTracker:
 
 
 # The exit code each way an attempt ends (observe/endings.py) means; the run's summary has the details.
-EXIT_CODE = {"completed": 0, "interrupted": 130, "preempted": 75, "stopped": 1, "crashed": 1, "failed": 1}
+EXIT_CODE = {
+    "completed": 0,
+    "finished_early": 0,
+    "interrupted": 130,
+    "preempted": 75,
+    "stopped": 1,
+    "crashed": 1,
+    "failed": 1,
+}
 
 
 class WandbTracker:

@@ -1,0 +1,73 @@
+"""Hooks of the Python API: watch a run, and stop it, without subclassing the Trainer.
+
+`ddptrain.train(..., hooks=[obj])`: obj defines any of on_log(record), on_eval(record) and
+on_checkpoint(record). Each receives a read-only copy (a MappingProxyType) of the record metrics.jsonl
+gets: a logged step's, an evaluation's, a committed checkpoint's. A method that returns True (or a
+non-empty string, the reason) asks the run to stop: the request travels the stop agreement of
+preemption (train/agreement.py), so every rank stops after the same step (the agreement started after
+the next step carries it: two steps after the request), with a committed checkpoint, and the run ends "finished_early" (exit 0; RunResult.status "finished_early").
+
+Hooks run on every rank, with that rank's record: the loss, metrics and evaluations are all-reduced
+(the same everywhere), timings are the rank's own; a stop asked on any one rank stops them all.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from ddptrain.errors import ConfigError
+from ddptrain.train.preemption import HOOK_STOP, NO_STOP
+
+HOOK_METHODS = ("on_log", "on_eval", "on_checkpoint")
+StopAnswer = bool | str | None  # what a hook method returns: True or a reason stops the run
+
+
+class TrainingHook(Protocol):
+    """The methods a hook may define (any of them; one is enough)."""
+
+    def on_log(self, record: Mapping[str, Any]) -> StopAnswer:
+        """A logged step's record (step, loss, lr, grad_norm, your metrics, ...)."""
+
+    def on_eval(self, record: Mapping[str, Any]) -> StopAnswer:
+        """An evaluation's record (step, val_loss, val_<name>)."""
+
+    def on_checkpoint(self, record: Mapping[str, Any]) -> StopAnswer:
+        """A committed checkpoint's record (step, path, seconds)."""
+
+
+class Hooks:
+    """The run's hooks; `call` hands them a record, `stop_reason` says whether one asked to stop."""
+
+    def __init__(self, hooks: Sequence[object] = ()) -> None:
+        for hook in hooks:
+            if not any(callable(getattr(hook, m, None)) for m in HOOK_METHODS):
+                raise ConfigError(f"hook {type(hook).__name__} defines none of {', '.join(HOOK_METHODS)}")
+        self.hooks = list(hooks)
+        self.stop_reason: str | None = None  # this rank's first stop request
+
+    def call(self, method: str, record: Mapping[str, Any]) -> None:
+        """Each hook's `method` with a read-only copy of record; the first stop answer is kept."""
+        for hook in self.hooks:
+            fn = getattr(hook, method, None)
+            if not callable(fn):
+                continue
+            answer = fn(MappingProxyType(copy.deepcopy(dict(record))))
+            if answer and self.stop_reason is None:
+                why = answer if isinstance(answer, str) else "asked to stop"
+                self.stop_reason = f"{type(hook).__name__}.{method} at step {record.get('step', '?')}: {why}"
+
+    @property
+    def level(self) -> int:
+        """What this rank contributes to the stop agreement: HOOK_STOP once a hook asked."""
+        return HOOK_STOP if self.stop_reason is not None else NO_STOP
+
+    def agreed_reason(self, agreed: int) -> str | None:
+        """Why the run stops when the ranks agreed on a hook's stop (a rank that did not ask says so); else None."""
+        if agreed != HOOK_STOP:
+            return None
+        return (
+            f"a hook asked to stop: {self.stop_reason}" if self.stop_reason else "a hook on another rank asked to stop"
+        )
