@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
-from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.data.sampler import DataPosition, ResumableDistributedSampler
+from ddptrain.data.stream import stream_input
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import call_model, model_name, to_device
@@ -95,12 +96,8 @@ class Trainer:
         self.precision = Precision(cfg.train.precision, ctx.device)
         self.nonfinite = NonFiniteSteps(ctx.device, counted=cfg.train.precision != "fp16")
         self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
-        n_samples = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
-        self.sampler = ResumableDistributedSampler(
-            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed
-        )
         self.collate = build_collate(cfg.data)  # the same batching for training and evaluation
-        self.loader = self._loader(train_set)
+        self.sampler, self.loader = self._input(train_set)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         flops = getattr(self.model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else None
@@ -127,19 +124,29 @@ class Trainer:
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
         self._batches: Iterator[Any] | None = None
 
-    def _loader(self, train_set: Dataset[Any]) -> DataLoader[Any]:
-        """This rank's micro-batches, in the sampler's order."""
+    def _input(self, train_set: Dataset[Any]) -> tuple[DataPosition, Iterable[Any]]:
+        """The data position this trainer saves and advances, and the loader of this rank's micro-batches: a
+        map-style dataset through the resumable sampler, an IterableDataset as one stream (data/stream.py)."""
+        cfg, ctx, batch = self.cfg, self.ctx, self.cfg.train.global_batch_size
+        if isinstance(train_set, IterableDataset):
+            micro = cfg.data.micro_batch_size
+            return stream_input(train_set, batch, ctx.rank, ctx.world_size, micro, self.collate, self._loader)
+        sampler = ResumableDistributedSampler(len(train_set), batch, ctx.rank, ctx.world_size, cfg.run.seed)  # type: ignore[arg-type]
+        return sampler, self._loader(
+            train_set, batch_size=cfg.data.micro_batch_size, sampler=sampler, collate_fn=self.collate
+        )
+
+    def _loader(self, dataset: Dataset[Any], **how: Any) -> DataLoader[Any]:
+        """A DataLoader of dataset with data.num_workers, pinned on CUDA, batched as `how` says."""
         cfg, ctx = self.cfg, self.ctx
         # The loader gets its own generator: creating an iterator (at resume, at each epoch)
         # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
         return DataLoader(
-            train_set,
-            batch_size=cfg.data.micro_batch_size,
-            sampler=self.sampler,
-            collate_fn=self.collate,
+            dataset,
             num_workers=cfg.data.num_workers,
             pin_memory=ctx.device.type == "cuda",
             generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
+            **how,
         )
 
     def setup(self) -> None:
