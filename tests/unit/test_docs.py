@@ -332,6 +332,10 @@ RULES: list[tuple[str, Check | str]] = [
         "metrics of your own, early stopping and a hook's stop: tests/dist/test_metrics_dist.py runs them",
     ),
     (r"^ddptrain report runs/empty$", check_error_line),
+    (
+        r"^(torchrun --standalone --nproc-per-node=2 -m )?ddptrain train (data\.target=counting:|\.\.\. train\.max_steps=12$)",
+        "the docs' stream trained at 2 ranks, resumed at 1: tests/dist/test_streams_dist.py does it with its own",
+    ),
     (r"^ddptrain doctor( --endpoint HEAD:29500)?$", "a bandwidth sweep: tests/unit/test_doctor_unit.py"),
     (r"^ddptrain generate runs/demo ", "needs the demo run: tests/unit/test_report.py samples from a trained run"),
     (r"^ddptrain triage run", "needs a hung run's stacks: tests/dist/test_hangs.py runs triage on real hangs"),

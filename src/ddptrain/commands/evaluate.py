@@ -3,16 +3,17 @@
 The model and data are rebuilt from the checkpoint's config (plus command-line overrides): the
 built-in GPT, model.hf or model.target; the data's source (data/source.py: the prepared corpus in
 data.dir, data.target's datasets). A run whose model or data were live objects passed to
-`ddptrain.train()` exits 2 saying which key to add (models.require_model_source, the live source). The samples and the mean are
-train/evaluation.py's, so `--batches` equal to the run's `train.eval_batches` gives its val_loss at
-any world size. Metrics of your own (the extra scalars of a model's output dict, train.metrics) are
-printed after the perplexity, as `val_<name>` would record them: `name value`.
+`ddptrain.train()` exits 2 saying which key to add (models.require_model_source, the live data
+source). The samples and the mean are train/evaluation.py's, so `--batches` equal to the run's
+`train.eval_batches` gives its val_loss at any world size. Metrics of your own (the extra scalars of
+a model's output dict, train.metrics) are printed after the perplexity, as `val_<name>` would record
+them: `name value`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,8 @@ def _eval_split(cfg: Config, split: str, model: torch.nn.Module) -> tuple[Any, s
     source = data_source(cfg.data)
     seed_everything(cfg.run.seed)  # as the trainer builds them: a factory drawing random samples draws the same
     dataset = source.split(split, Sampling.of(cfg))
+    if not isinstance(dataset, Sized):
+        raise DataError(f"split {split!r} of {source.describe()} has no len() (a stream): eval reads map-style splits")
     _check_vocab(cfg, model, source.vocab_size())
     source.verify()
     return dataset, source.describe()

@@ -12,6 +12,7 @@ whose shards fail that stops every rank, with the shard's line and the rank that
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Iterator, Sized
 from contextlib import contextmanager
@@ -20,9 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ddptrain.data.corpus import corpus_fingerprint, read_meta
+from ddptrain.data.stream import is_stateful
 from ddptrain.data.verify import verify_corpus
 from ddptrain.dist import DistContext, all_gather_object
 from ddptrain.errors import DataError
@@ -54,25 +56,38 @@ def corpus_identity(data_dir: Path, meta: dict[str, Any] | None = None) -> dict[
 
 
 def datasets_identity(train: Dataset[Any], val: Dataset[Any] | None, source: str | None = None) -> dict[str, Any]:
-    """A user's datasets: their lengths and a fingerprint of a few fixed samples.
+    """A user's datasets: their lengths and a fingerprint of a few fixed samples (of a stream, an
+    IterableDataset: its first few items; no length).
 
     The samples are read with every random stream saved and restored, so that a dataset with random
     augmentation gives the same fingerprint on every rank (they are all seeded alike here) and
-    reading it does not shift the run's random streams.
+    reading it does not shift the run's random streams; a stateful stream gets its own state back.
     """
+    stream = train if isinstance(train, IterableDataset) else None
     identity: dict[str, Any] = {
         "source": source,
-        "train_len": _length(train),
-        "val_len": None if val is None else _length(val),
+        "train_len": None if stream is not None else _length(train),
+        "val_len": None if val is None else _length(val, "validation"),
     }
     digest = hashlib.sha256()
     with _saved_random_state():
-        for dataset in (train, val):
+        for item in _first_items(stream) if stream is not None else ():
+            _feed(digest, item)
+        for dataset in (val,) if stream is not None else (train, val):
             n = identity["train_len"] if dataset is train else identity["val_len"]
             for index in sorted({round(f * (n - 1)) for f in _PROBES}) if n else ():
                 _feed(digest, dataset[index])  # type: ignore[index]  # n > 0 only for a dataset present
     identity["fingerprint"] = digest.hexdigest()[:16]
     return identity
+
+
+def _first_items(stream: IterableDataset[Any]) -> list[Any]:
+    """The stream's first few items, the stream's own state (if it keeps one) put back after reading them."""
+    saved = stream.state_dict() if is_stateful(stream) else None  # type: ignore[attr-defined]
+    items = list(itertools.islice(iter(stream), len(_PROBES)))
+    if saved is not None:
+        stream.load_state_dict(saved)  # type: ignore[attr-defined]
+    return items
 
 
 def agree_on_data(ctx: DistContext, identity: dict[str, Any]) -> None:
@@ -106,10 +121,13 @@ def check_same_data(every: list[dict[str, Any]], hosts: tuple[str, ...]) -> None
     )
 
 
-def _length(dataset: Dataset[Any]) -> int:
-    if not isinstance(dataset, Sized):
-        raise DataError(f"dataset {type(dataset).__name__} has no len(): ddptrain needs map-style datasets")
-    return len(dataset)
+def _length(dataset: Dataset[Any], which: str = "training") -> int:
+    if isinstance(dataset, Sized):
+        return len(dataset)
+    name = type(dataset).__name__
+    if which == "validation":
+        raise DataError(f"validation dataset {name} has no len(): give a map-style validation set, or None")
+    raise DataError(f"dataset {name} has no len() and is no IterableDataset: ddptrain needs one or the other")
 
 
 def _feed(digest: Any, value: Any) -> None:

@@ -14,11 +14,41 @@ its ids never repeat and it does its own shuffling.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Sampler
 
 from ddptrain.errors import DataError
+
+
+class DataPosition(Protocol):
+    """What the trainer and the certificate read of where the data stream is: this sampler's position, or an
+    IterableDataset's (data/stream.py)."""
+
+    global_batch_size: int
+    steps_per_epoch: int
+    epoch: int
+    position: int
+
+    @property
+    def epoch_done(self) -> bool:
+        """True when the pass is used up and the next one must start."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start pass `epoch` from its beginning."""
+
+    def advance(self) -> None:
+        """One optimizer step consumed the next global batch."""
+
+    def ids(self, epoch: int, start: int, end: int) -> torch.Tensor:
+        """The sample ids at positions start..end of pass `epoch`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, independent of the world size."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a saved position."""
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -66,6 +96,10 @@ class ResumableDistributedSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
+    def ids(self, epoch: int, start: int, end: int) -> torch.Tensor:
+        """The sample ids at positions start..end of epoch `epoch`."""
+        return self.epoch_order(epoch)[start:end]
+
     @property
     def epoch_done(self) -> bool:
         """True when every full global batch of the epoch has been consumed."""
@@ -84,12 +118,17 @@ class ResumableDistributedSampler(Sampler[int]):
     def __len__(self) -> int:
         return (self.steps_per_epoch * self.global_batch_size - self.position) // self.global_batch_size * self.per_rank
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """The stream position: independent of the world size."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at a saved position (which must fall on a global-batch boundary)."""
+        if "seed" not in state:
+            raise DataError(
+                "the checkpoint's data position is an IterableDataset's and the training set is map-style: "
+                "the data changed since the checkpoint"
+            )
         if state["position"] % self.global_batch_size:
             raise DataError(
                 f"saved data position {state['position']} is not a multiple of the global batch "

@@ -11,7 +11,8 @@ scalar tensor, a mapping with a "loss" entry, or an object with `.loss` (a trans
 
 `data.target: "my_pkg.mod:build_datasets"` names a factory called as
 `build_datasets(**data.kwargs)` returning `(train_dataset, val_dataset_or_None)`: map-style
-`torch.utils.data.Dataset`s whose items the default collate can batch.
+`torch.utils.data.Dataset`s whose items data.collate batches (a training set may be an
+IterableDataset: data/stream.py).
 
 `model.hf` builds a transformers causal LM instead (models/hf.py). `model.live` / `data.live` record
 that `ddptrain.train()` was given live objects: nothing here can rebuild those (run_sources.py).

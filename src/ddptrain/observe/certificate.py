@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.data.sampler import DataPosition
 from ddptrain.errors import UserError
 from ddptrain.observe.digest import named_state, state_digests
 from ddptrain.run_folder import certificate_file
@@ -49,7 +49,7 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {name: [s, d] for (name, _), s, d in zip(tensors, both[0].tolist(), both[1].view(torch.int64).tolist())}
 
 
-def consumed(sampler: ResumableDistributedSampler, steps: int) -> tuple[list[list[int]], int]:
+def consumed(sampler: DataPosition, steps: int) -> tuple[list[list[int]], int]:
     """The (epoch, from, to) position segments of the last `steps` global batches, and the CRC-32 of their ids."""
     per_epoch = sampler.steps_per_epoch * sampler.global_batch_size
     epoch, end, left = sampler.epoch, sampler.position, steps * sampler.global_batch_size
@@ -63,7 +63,7 @@ def consumed(sampler: ResumableDistributedSampler, steps: int) -> tuple[list[lis
     segments.reverse()
     crc = 0
     for e, start, end in segments:
-        crc = zlib.crc32(sampler.epoch_order(e)[start:end].numpy().astype("<i8").tobytes(), crc)
+        crc = zlib.crc32(sampler.ids(e, start, end).numpy().astype("<i8").tobytes(), crc)
     return segments, crc
 
 
@@ -73,7 +73,7 @@ def certificate_record(
     world_size: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    sampler: ResumableDistributedSampler,
+    sampler: DataPosition,
     steps: int,
 ) -> dict[str, Any]:
     """One line of the certificate: what the state and data stream were after `step`."""

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
-from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
@@ -41,6 +40,7 @@ from ddptrain.observe.triage import Triage
 from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
+from ddptrain.train.data_input import training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
 from ddptrain.train.hooks import Hooks
@@ -106,15 +106,8 @@ class Trainer:
         self.precision = Precision(cfg.train.precision, ctx.device)
         self.nonfinite = NonFiniteSteps(ctx.device, counted=cfg.train.precision != "fp16")
         self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
-        n_samples = len(train_set)  # type: ignore[arg-type]  # map-style datasets have a length
-        stream = getattr(train_set, "sample_order", None) == "stream"  # a mixture: positions, not a shuffle
-        self.sampler = ResumableDistributedSampler(
-            n_samples, cfg.train.global_batch_size, ctx.rank, ctx.world_size, cfg.run.seed, stream=stream
-        )
-        self.collate = build_collate(
-            cfg.data, data_source(cfg.data).pad_id
-        )  # the same batching for training and evaluation
-        self.loader = self._loader(train_set)
+        self.collate = build_collate(cfg.data, data_source(cfg.data).pad_id)  # for training and evaluation
+        self.sampler, self.loader = training_input(cfg, ctx, train_set, self.collate)
         self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
         flops = getattr(self.model, "flops_per_token", None)
@@ -142,21 +135,6 @@ class Trainer:
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
         self.stopped_because: str | None = None  # an early stop or a hook's: why the run ended before max_steps
         self._batches: Iterator[Any] | None = None
-
-    def _loader(self, train_set: Dataset[Any]) -> DataLoader[Any]:
-        """This rank's micro-batches, in the sampler's order."""
-        cfg, ctx = self.cfg, self.ctx
-        # The loader gets its own generator: creating an iterator (at resume, at each epoch)
-        # must not draw from the global torch RNG, or a resumed run's dropout would diverge.
-        return DataLoader(
-            train_set,
-            batch_size=cfg.data.micro_batch_size,
-            sampler=self.sampler,
-            collate_fn=self.collate,
-            num_workers=cfg.data.num_workers,
-            pin_memory=ctx.device.type == "cuda",
-            generator=torch.Generator().manual_seed(cfg.run.seed + ctx.rank),
-        )
 
     def setup(self) -> None:
         """All ranks, in the run's set-up: the stop agreement's group (a collective only next to NCCL)."""
