@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import write_run_records
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
@@ -20,6 +21,7 @@ from ddptrain.data.kinds import data_source
 from ddptrain.data.mixture import MixtureDataset, MixturePart, MixtureSchedule
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import CheckpointError, ConfigError
+from ddptrain.review.report import mixture_shares, report
 
 weights = st.lists(st.floats(0.01, 100, allow_nan=False), min_size=1, max_size=4)
 
@@ -150,3 +152,17 @@ def test_a_mixture_of_corpora_with_different_vocabularies_is_refused(tmp_path: P
         check_resume(
             "step-00000004", {}, {"data": same.resume_identity()}, {}, {"data": other_weights.resume_identity()}
         )
+
+
+def test_the_report_draws_each_sources_share_of_every_log_window(tmp_path: Path) -> None:
+    taken = [{"a": 6, "b": 2}, {"a": 12, "b": 4}, {"a": 15, "b": 9}]
+    records = [
+        {"kind": "train", "step": 2 * (i + 1), "time": float(i), "loss": 1.0, "lr": 0.1, "step_time_s": 0.1,
+         "samples_per_s": 1.0, "world_size": 1, "global_batch_size": 4, "source_samples": t}
+        for i, t in enumerate(taken)
+    ]  # fmt: skip
+    write_run_records(tmp_path, records, "mix", 6)
+    assert mixture_shares(records) == {"a": ([2, 4, 6], [75.0, 75.0, 37.5]), "b": ([2, 4, 6], [25.0, 25.0, 62.5])}
+    summary, files = report(tmp_path)
+    assert "data mixture: a 15 (62.5%), b 9 (37.5%) by step 6" in summary
+    assert tmp_path / "report" / "mixture.png" in files

@@ -1,7 +1,8 @@
 """`ddptrain report RUN_DIR`: plots and a short summary from a run's metrics.jsonl.
 
 Works while the run is going and after it crashed: a last line cut off mid-write is skipped.
-Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt, and a
+Writes run.dir/report/{loss,lr,throughput,step_time,goodput}.png and summary.txt, mixture.png for a
+mixture of data sources (each source's share of every log window's samples), and a
 metric-<name>.png per metric of your own (train/custom_metrics.py: the names a train record lists in
 `custom_metrics`, and the val_<name> of evaluations). A run that was
 restarted is told as one story (review/story.py): records of abandoned attempts are dropped,
@@ -208,6 +209,33 @@ def custom_metric_names(train: list[dict[str, Any]], evals: list[dict[str, Any]]
     return sorted(names)
 
 
+def mixture_shares(mixed: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Per source of a mixture: (step, % of the samples of the log window ending there), from the cumulative
+    `source_samples` of logged steps (data/mixture.py)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    previous: dict[str, int] = {}
+    for r in mixed:
+        taken = {str(k): int(v) for k, v in r["source_samples"].items()}
+        window = {k: v - previous.get(k, 0) for k, v in taken.items()}
+        total = sum(window.values())
+        if total > 0:
+            for name, n in window.items():
+                steps, shares = out.setdefault(name, ([], []))
+                steps.append(int(r["step"]))
+                shares.append(100 * n / total)
+        previous = taken
+    return out
+
+
+def _mixture_line(train: list[dict[str, Any]]) -> list[str]:
+    last = next((r for r in reversed(train) if isinstance(r.get("source_samples"), dict)), None)
+    if last is None:
+        return []
+    total = sum(last["source_samples"].values()) or 1
+    parts = ", ".join(f"{k} {v:,} ({100 * v / total:.1f}%)" for k, v in last["source_samples"].items())
+    return [f"data mixture: {parts} by step {last['step']}"]
+
+
 def _throughput_key(train: list[dict[str, Any]]) -> str:
     return "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
 
@@ -256,6 +284,12 @@ def plot_all(run_dir: Path, story: Story, out: Path) -> list[Path]:
     paths.append(_save(fig, ax, story, out / "step_time.png"))
 
     paths.append(_plot_goodput(info, goodput(story), out / "goodput.png"))
+    mixed = [r for r in train if isinstance(r.get("source_samples"), dict)]
+    if mixed:
+        fig, ax = _figure("data mixture", info, story, "share of the window's samples (%)")
+        for name, (steps, shares) in mixture_shares(mixed).items():
+            ax.plot(steps, shares, "o-", label=name)
+        paths.append(_save(fig, ax, story, out / "mixture.png"))
     for name in custom_metric_names(train, evals):
         fig, ax = _figure(name, info, story, f"{name} (mean over the log window)")
         ax.plot(*_series(train, name), label=f"train {name}")
@@ -410,6 +444,7 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
         best = min(val, key=lambda e: e["val_loss"])
         lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
     lines += _metric_lines(train, evals)
+    lines += _mixture_line(train)
     lines += _throughput_lines(story, _throughput_key(train))
     if "peak_mem_mb" in last:
         lines.append(f"peak memory: {last['peak_mem_mb']:,.0f} MiB ({last.get('peak_mem_kind', '?')}, rank 0)")
