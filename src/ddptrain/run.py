@@ -39,6 +39,7 @@ import torch.distributed
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.adapters import with_adapters
 from ddptrain.checkpoint.compat import run_identity
 from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.formats.base import CheckpointFormat
@@ -292,15 +293,15 @@ def _build(
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
+    module, base = with_adapters(module, cfg.model)  # model.peft: the base loaded and digested, adapters added
     wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, say))
     config = cfg.model_dump(mode="json", by_alias=True)
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
-    checkpointer = Checkpointer(
-        cfg.ckpt, run_dir, ctx, config, run_identity(config, module, live_data), writer, tag, lost
-    )
+    identity = run_identity(config, module, live_data) | base
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, identity, writer, tag, lost)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()
