@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ddptrain.checkpoint.weights import init_weights_from
 from ddptrain.config import ModelConfig
-from ddptrain.errors import CheckpointError
+from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.models.peft import add_adapters, require_peft, state_digest
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,13 @@ def with_adapters(
     if model_cfg.peft is None:
         return module, {}
     require_peft()
+    given = model_cfg.target is not None or model_cfg.live is not None or (model_cfg.hf and model_cfg.hf.pretrained)
+    if not model_cfg.init_from and not given:
+        raise ConfigError(
+            "model.peft trains adapters on a frozen base: set model.init_from to its weights (a transformers folder, "
+            "a run or checkpoint folder, an exported .safetensors) or use model.hf.pretrained; a fresh random base "
+            "would not be the same one at a resume"
+        )
     if model_cfg.init_from:
         loaded = init_weights_from(module, model_cfg.init_from, model_cfg)
         log.info("model.peft: the frozen base comes from %s", loaded)
