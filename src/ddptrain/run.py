@@ -293,7 +293,7 @@ def _build(
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
-    module, base = with_adapters(module, cfg.model)  # model.peft: the base loaded and digested, adapters added
+    module, base = with_adapters(module, cfg.model, live=built is not None)  # model.peft: base digested, adapters on
     wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)

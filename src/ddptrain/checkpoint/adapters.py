@@ -25,15 +25,16 @@ BASE_DIGEST = "base_sha256"  # the identity key (checkpoint manifests) of the ba
 
 
 def with_adapters(
-    module: nn.Module, model_cfg: ModelConfig, expected_base: str | None = None
+    module: nn.Module, model_cfg: ModelConfig, expected_base: str | None = None, live: bool = False
 ) -> tuple[nn.Module, dict[str, str]]:
     """(the module to train, its identity entries): module itself and {} without model.peft; else module's base
     weights loaded from model.init_from, digested, and the adapters added. expected_base: the digest a
-    checkpoint recorded, which the base must have (CheckpointError otherwise)."""
+    checkpoint recorded, which the base must have (CheckpointError otherwise). live: module came from the
+    Python API with weights of its own (a base without model.init_from)."""
     if model_cfg.peft is None:
         return module, {}
     require_peft()
-    given = model_cfg.target is not None or model_cfg.live is not None or (model_cfg.hf and model_cfg.hf.pretrained)
+    given = live or model_cfg.target is not None or (model_cfg.hf is not None and model_cfg.hf.pretrained)
     if not model_cfg.init_from and not given:
         raise ConfigError(
             "model.peft trains adapters on a frozen base: set model.init_from to its weights (a transformers folder, "
