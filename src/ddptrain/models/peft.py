@@ -69,7 +69,7 @@ def _check_targets(host: nn.Module, targets: list[str] | None) -> None:
             leaves = [leaf for leaf in leaves if not leaf.isdigit()]
             raise ConfigError(
                 f"model.peft.target_modules: {target!r} matches no layer of {type(host).__name__}; "
-                f"its layer names end in {', '.join(leaves[:12])}"
+                f"its layer names end in {', '.join(leaves[:24])}"
             )
 
 
