@@ -164,6 +164,7 @@ def test_lora_checkpoints_resume_bit_exact_and_export_merged_and_as_adapters(
     killed = tmp_path / "killed"
     kill_after_a_checkpoint(lora(corpus_dir, base, killed), killed)
     assert (killed / "checkpoints" / "step-00000003").is_dir()
+    assert max(m["step"] for m in read_metrics(killed)) < STEPS  # killed mid-run: the rerun has steps to redo
     r = run_ddptrain(lora(corpus_dir, base, killed), nproc=2, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout
