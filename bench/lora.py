@@ -5,8 +5,8 @@ folder, model.init_from the same folder; the LoRA run adds model.peft on q_proj 
 
 - bytes all-reduced per step: a DDP communication hook on each run's DDP module (chained behind the
   Trainer's own, StepTimer.send_through) adds up the size of every gradient bucket it all-reduces, then
-  calls DDP's default all-reduce; compared with the bytes
-  of the gradients of the parameters that train (LoRA: the adapters);
+  calls DDP's default all-reduce; compared with the bytes of the gradients of the parameters that
+  train (LoRA: the adapters);
 - step time: training steps of the two runs in interleaved rounds, the order alternating; a round's
   value is the slowest rank's mean step;
 - checkpoint size: each run saves one checkpoint (the run's own format, sharded) after the rounds;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ def _save_base(folder: Path, smoke: bool) -> Path:
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """One job of 2 ranks; rows: checkpoint size ratio, all-reduced bytes vs adapter gradients, step times."""
     work = opts.work_dir / "lora"
+    shutil.rmtree(work, ignore_errors=True)  # fresh run folders: the last run's checkpoints would be refused
     base = _save_base(work / "base", opts.smoke)
     out = work / "result.json"
     args = ["--base", str(base), "--data", str(opts.data_dir), "--work", str(work), "--out", str(out),

@@ -11,7 +11,8 @@ would deadlock the job):
  3. data                     the default corpus (local rank 0 prepares, max_over_ranks agrees), datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
- 4. model                    seeded identically on every rank, wrapped (train/parallel.py): DDP broadcasts
+ 4. model                    seeded identically on every rank (model.peft: base weights and adapters,
+                             checkpoint/adapters.py), wrapped (train/parallel.py): DDP broadcasts
                              rank 0's weights; fsdp shards each rank's copy in place (fully_shard runs
                              no collective; its mesh is the training group); hsdp first creates the
                              mesh's replicate and shard groups (init_device_mesh: new_group calls)
