@@ -32,6 +32,7 @@ FIGURES = [
     "hashes",
     "replicas",
     "fsdp",
+    "lora",
     "data",
     "tracking",
     "prepare",

@@ -12,7 +12,8 @@ would deadlock the job):
                              rank 0 prepares it, max_over_ranks agrees; then the datasets
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
- 4. model                    seeded identically on every rank, wrapped (train/parallel.py): DDP broadcasts
+ 4. model                    seeded identically on every rank (model.peft: base weights and adapters,
+                             checkpoint/adapters.py), wrapped (train/parallel.py): DDP broadcasts
                              rank 0's weights; fsdp shards each rank's copy in place (fully_shard runs
                              no collective; its mesh is the training group); hsdp first creates the
                              mesh's replicate and shard groups (init_device_mesh: new_group calls)
@@ -39,6 +40,7 @@ from typing import Any
 import torch.distributed
 
 from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.adapters import with_adapters
 from ddptrain.checkpoint.compat import run_identity
 from ddptrain.checkpoint.export import export_model
 from ddptrain.checkpoint.formats.base import CheckpointFormat
@@ -291,15 +293,15 @@ def _build(
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
+    module, base = with_adapters(module, cfg.model, live=built is not None)  # model.peft: base digested, adapters on
     wrapped = wrap_model(module, cfg, ctx)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, say))
     config = cfg.model_dump(mode="json", by_alias=True)
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
-    checkpointer = Checkpointer(
-        cfg.ckpt, run_dir, ctx, config, run_identity(source.resume_identity(), module), writer, tag, lost
-    )
+    identity = run_identity(source.resume_identity(), module) | base
+    checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, identity, writer, tag, lost)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
     trainer.setup()
     checkpointer.setup()

@@ -43,6 +43,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "hashes",
         "replica check",
         "fsdp (2 ranks)",
+        "lora (2 ranks)",
         "data",
         "tracking",
         "prepare",

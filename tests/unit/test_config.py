@@ -138,7 +138,7 @@ def widest_config(char: str) -> dict[str, Any]:
     """A config at the bounds, shaped for the largest files: every value at the deepest level, its text in
     `char`, each as long as an escape can make it (12 bytes in JSON for an astral one, 6 in YAML for U+FFFE)."""
     leaf = char * 200
-    values = MAX_CONFIG_VALUES - 200  # room for the path down and the sections
+    values = MAX_CONFIG_VALUES - 300  # room for the path down and the sections (YAML counts keys and values)
     texts = (MAX_CONFIG_CHARS - values - 2000) // len(leaf)  # each 0 counts as a character too
     deep = nested(MAX_CONFIG_DEPTH - 5, [leaf] * texts + [0] * (values - texts - MAX_CONFIG_DEPTH))
     return {"data": {"kwargs": {"k": deep}}}

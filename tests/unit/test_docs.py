@@ -321,6 +321,10 @@ RULES: list[tuple[str, Check | str]] = [
     ),
     (r"^ddptrain train -c llama\.yaml ", "fine-tunes the exported Llama: tests/dist/test_real_models.py"),
     (
+        r"^(torchrun --standalone --nproc-per-node 2 -m )?ddptrain (train -c lora\.yaml|eval runs/lora$|export runs/lora )",
+        "the LoRA walk-through on a saved Llama: tests/dist/test_peft_dist.py trains, resumes, evaluates and exports one",
+    ),
+    (
         r"^ddptrain launch --nproc-per-node 2 -- train -c llama\.yaml$",
         "trains the Llama: tests/dist/test_real_models.py",
     ),

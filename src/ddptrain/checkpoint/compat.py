@@ -2,6 +2,7 @@
 
 Refused (exit 2), because the saved state would not mean the same thing:
   model shape   the built-in GPT's shape keys, model.target, or any parameter's shape
+  base weights  model.peft: the frozen base's SHA-256 (checkpoint/adapters.py)
   data identity the prepared corpus's SHA-256 (meta.json), or data.target and data.kwargs
   train.global_batch_size and run.seed   the saved data position is in units of both
 Everything else that differs (train.max_steps, train.lr, ckpt.*, log.*, dist.timeout_s, ...)
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ddptrain.checkpoint.adapters import base_change
 from ddptrain.errors import CheckpointError
 
 GPT_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -106,6 +108,7 @@ def check_resume(
     conflicts: list[str] = []
     if "model" in identity:  # identity is empty for a Checkpointer used on its own (benchmarks, tests)
         conflicts += _model_conflicts(saved_config, config, saved_identity.get("model"), identity["model"])
+        conflicts += [change for change in [base_change(saved_identity, identity)] if change]
     saved_data = saved_identity.get("data")
     if "data" in identity:
         conflicts += _data_conflicts(saved_data if isinstance(saved_data, dict) else {}, identity["data"])

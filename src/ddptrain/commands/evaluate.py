@@ -22,6 +22,7 @@ import torch
 
 from ddptrain import streams
 from ddptrain.checkpoint import VerifiedCheckpoint
+from ddptrain.checkpoint.adapters import BASE_DIGEST, with_adapters
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import existing_dir, number_in
 from ddptrain.cli_options import REQUIRED, option
@@ -65,7 +66,8 @@ def evaluate(options: EvalOptions) -> int:
 def model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[Config, torch.nn.Module]:
     """The config a checkpoint was saved with (plus overrides) and its model, weights loaded, in eval mode."""
     cfg = config_from_mapping(ckpt.manifest.config, list(overrides))
-    model = build_model(cfg.model)
+    base = ckpt.manifest.identity.get(BASE_DIGEST)  # model.peft: the base the adapters were trained on
+    model, _ = with_adapters(build_model(cfg.model), cfg.model, base)
     try:
         model.load_state_dict(ckpt.state("model"))
     except RuntimeError as e:  # a model.target given now that builds another shape than the one trained

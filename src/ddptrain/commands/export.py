@@ -1,4 +1,5 @@
-"""`ddptrain export RUN_DIR --out PATH [--format hf]`: a checkpoint's model as safetensors or a transformers folder."""
+"""`ddptrain export RUN_DIR --out PATH [--format hf|peft]`: a checkpoint's model as safetensors, a transformers
+folder, or (a model.peft run) a peft adapter folder."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class ExportOptions:
     step: int | None = option(None, "checkpoint step (default: the newest good one)")
     format: str = option(
         "safetensors",
-        "hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer",
-        choices=("safetensors", "hf"),
+        "hf: a folder transformers.AutoModelForCausalLM.from_pretrained loads, with the tokenizer (a model.peft run: "
+        "adapters merged); peft: the adapters as a folder peft.PeftModel.from_pretrained loads onto the base",
+        choices=("safetensors", "hf", "peft"),
         show_default=False,
     )
     data_dir: str | None = option(
@@ -37,9 +39,9 @@ def export(options: ExportOptions) -> int:
     if options.step is not None:
         number_in("--step", options.step, 0, 10**15)
     if options.data_dir is not None and options.format != "hf":
-        raise ConfigError("--data-dir gives --format hf its tokenizer; plain safetensors export writes none")
-    if options.format == "hf":
-        return _export_hf(options)
+        raise ConfigError("--data-dir gives --format hf its tokenizer; --format safetensors and peft write none")
+    if options.format in ("hf", "peft"):
+        return _export_folder(options)
     from ddptrain.checkpoint.export import export_model
 
     out_path = creatable_file("--out", Path(options.out))
@@ -50,10 +52,11 @@ def export(options: ExportOptions) -> int:
     return 0
 
 
-def _export_hf(options: ExportOptions) -> int:
+def _export_folder(options: ExportOptions) -> int:
     from ddptrain.checkpoint.export import refuse_links_inside, staged_output
     from ddptrain.checkpoint.export_hf import export_hf
     from ddptrain.commands.evaluate import model_of, tokenizer_dir
+    from ddptrain.models.peft import merge_adapters, save_adapters
 
     run_dir = Path(options.run_dir)
     out_dir = output_dir("--out", Path(options.out))
@@ -64,9 +67,14 @@ def _export_hf(options: ExportOptions) -> int:
             f"model.live={saved.model.live!r}: --format hf exports the built-in GPT and model.hf models, "
             "not a live nn.Module passed to ddptrain.train(); export without --format hf writes its weights"
         )
+    if options.format == "peft" and saved.model.peft is None:
+        raise ConfigError(f"--format peft: {ckpt.path.name} holds a full model (the run had no model.peft)")
     cfg, model = model_of(ckpt)
     refuse_links_inside(run_dir, out_dir)
     with staged_output(out_dir) as work:  # complete or absent: a failed export leaves nothing behind
-        what = export_hf(model, cfg.model, tokenizer_dir(cfg, options.data_dir), work)
+        if options.format == "peft":
+            what = save_adapters(model, work)
+        else:
+            what = export_hf(merge_adapters(model), cfg.model, tokenizer_dir(cfg, options.data_dir), work)
     print(f"exported {ckpt.path.name} to {options.out}: {what}")
     return 0

@@ -17,6 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from ddptrain.checkpoint import newest_verified
+from ddptrain.checkpoint.adapters import BASE_DIGEST, with_adapters
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.checks import existing_dir, number_in, text_arg
 from ddptrain.cli_options import REQUIRED, option
@@ -27,6 +28,7 @@ from ddptrain.data.source import BYTES
 from ddptrain.data.tokenizer import Tokenizer
 from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.models.gpt import GPT
+from ddptrain.models.peft import merge_adapters
 from ddptrain.run_folder import checkpoints_dir
 
 _Section = TypeVar("_Section", ModelConfig, DataConfig)
@@ -52,8 +54,10 @@ def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, VerifiedCheckpoi
         raise ConfigError(
             f"{ckpt.path.name} holds a user or transformers model; generate works with the built-in GPT only"
         )
-    model = GPT(model_cfg)
-    model.load_state_dict(ckpt.state("model"))
+    adapted, _ = with_adapters(GPT(model_cfg), model_cfg, ckpt.manifest.identity.get(BASE_DIGEST))
+    adapted.load_state_dict(ckpt.state("model"))
+    model = merge_adapters(adapted)  # model.peft: LoRA folded into the GPT's weights; else the GPT itself
+    assert isinstance(model, GPT)
     return model.to(device).eval(), ckpt
 
 

@@ -173,8 +173,7 @@ def verify_resume(options: VerifyResumeOptions) -> int:
             "log.trackers=[]",
             "log.track_artifacts=[]",
             "log.straggler_every=0",
-            "model.init_from=null",
-        ],
+        ],  # model.init_from stays: a model.peft run's base comes from it (otherwise the resume wins over it)
     )
     with run.distributed(cfg) as ctx:
         scratch.mkdir(parents=True, exist_ok=True)

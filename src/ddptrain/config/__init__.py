@@ -18,7 +18,7 @@ from pydantic_core import PydanticSerializationError
 
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
 from ddptrain.config.data import DataConfig
-from ddptrain.config.model import HFModelConfig, ModelConfig
+from ddptrain.config.model import AdapterConfig, HFModelConfig, ModelConfig
 from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig
 from ddptrain.config.train import OptimConfig, ScheduleConfig, TrainConfig
 from ddptrain.config_io import (
@@ -35,6 +35,7 @@ from ddptrain.errors import ConfigError
 __all__ = [  # the sections stay importable from ddptrain.config, as do these config_io helpers
     "MAX_SEED",
     "MAX_TIMEOUT_S",
+    "AdapterConfig",
     "CkptConfig",
     "Config",
     "DataConfig",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ddptrain.config.base import LineText, Section
 
@@ -27,14 +27,40 @@ class HFModelConfig(Section):
         return self
 
 
+class AdapterConfig(Section):
+    type: Literal["lora"] = Field(
+        "lora", description="The adapter kind: lora (low-rank updates of the targeted layers)."
+    )
+    r: int = Field(8, ge=1, le=4096, description="LoRA rank: the inner width of each low-rank update.")
+    alpha: int = Field(16, ge=1, le=1 << 20, description="LoRA scaling numerator: updates are scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' inputs.")
+    target_modules: list[LineText] | None = Field(
+        None,
+        description="Names (or name suffixes) of the layers to adapt, e.g. [q_proj, v_proj]; None: peft's default "
+        "for the transformers model type (the built-in GPT and user models need a list, e.g. [c_attn]).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None and (not names or not all(n.strip() for n in names)):
+            raise ValueError("model.peft.target_modules needs at least one non-empty layer name (or null)")
+        return names
+
+
 class ModelConfig(Section):
     hf: HFModelConfig | None = Field(
         None,
         description="A Hugging Face transformers causal LM (needs the hf extra); None uses target or the built-in GPT.",
     )
+    peft: AdapterConfig | None = Field(
+        None,
+        description="Train adapters (LoRA through peft) on a frozen model: {type: lora, r, alpha, dropout, "
+        "target_modules}; checkpoints hold the adapters only. None trains every parameter.",
+    )
     init_from: LineText | None = Field(
         None,
-        description="Start from these weights (a run or checkpoint folder, an exported .safetensors, an HF folder): fresh optimizer, step 0. A run folder's own checkpoints win.",
+        description="Start from these weights (a run or checkpoint folder, an exported .safetensors, an HF folder): fresh optimizer, step 0. A run folder's own checkpoints win; with model.peft these are the frozen base, loaded at every start.",
     )
     target: str | None = Field(
         None, description="'pkg.module:factory' building your own nn.Module; None uses the built-in GPT."

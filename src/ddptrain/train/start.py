@@ -56,9 +56,9 @@ def resume_or_start(
                 checkpoint=ckpt.path.name,
                 changes=[{"key": c.key, "old": c.old, "new": c.new} for c in found.changes],
             )
-        if cfg.model.init_from:
+        if cfg.model.init_from and cfg.model.peft is None:
             log.info("model.init_from ignored: the run folder has checkpoints and resume wins")
-    elif cfg.model.init_from:
+    elif cfg.model.init_from and cfg.model.peft is None:  # model.peft loaded it as the base (run.py)
         loaded = init_weights_from(trainer.model, cfg.model.init_from, cfg.model)
         log.info("initialised the model from %s (weights only: fresh optimizer, step 0)", loaded)
     n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
