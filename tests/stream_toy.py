@@ -6,10 +6,7 @@ tests/dist/test_streams_dist.py, and directly by tests/unit/test_stream.py.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,22 +51,6 @@ def build_streams(n: int = 40, dim: int = 8, stateful: bool = True) -> tuple[Ite
     return (StatefulStream if stateful else PlainStream)(n, dim), None
 
 
-class DyingRegressor(RecordingRegressor):
-    """RecordingRegressor that SIGKILLs rank 0's process at its n-th training forward, once (a marker file)."""
-
-    def __init__(self, dim: int, record_dir: str, die_at_call: int, marker: str) -> None:
-        super().__init__(dim, record_dir)
-        self.calls, self.die_at_call, self.marker = 0, die_at_call, Path(marker)
-        self.armed = os.environ.get("RANK", "0") == "0" and not self.marker.exists()
-
-    def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.calls += 1
-            if self.armed and self.calls == self.die_at_call:
-                self.marker.write_text(str(self.calls))
-                os.kill(os.getpid(), signal.SIGKILL)
-        return super().forward(ids, x, y)
-
-
 def build_model(dim: int = 8, record_dir: str = "", die_at_call: int = 0, marker: str = "") -> nn.Module:
-    return DyingRegressor(dim, record_dir, die_at_call, marker) if die_at_call else RecordingRegressor(dim, record_dir)
+    """toy.RecordingRegressor; with die_at_call, rank 0 SIGKILLs itself at that training forward, once."""
+    return RecordingRegressor(dim, record_dir, die_at_call, marker)
