@@ -310,7 +310,10 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain train -c mix\.yaml$", "trains a mixture: tests/dist/test_data_sources_dist.py trains and resumes one"),
     (r"^ddptrain prepare FILE\.jsonl --out DIR --sft ", "a synopsis with placeholders: tests/unit/test_sft.py"),
     (r"^python make_chat\.py$", "writes the records of the walk-through: check_prepare_chat runs it"),
-    (r"^python (make_sft_base|chat)\.py$", "LoRA on instruction data: tests/dist/test_peft_dist.py and test_sft_dist.py"),
+    (
+        r"^python (make_sft_base|chat)\.py$",
+        "LoRA on instruction data: tests/dist/test_peft_dist.py and test_sft_dist.py",
+    ),
     (
         r"^ddptrain launch --nproc-per-node 2 -- train -c sft-lora\.yaml$|^ddptrain (eval|export) runs/sft-lora",
         "LoRA on instruction data, 2 ranks: tests/dist/test_peft_dist.py exports and reloads a LoRA run",
