@@ -41,6 +41,7 @@ from ddptrain.commands.export import export
 from ddptrain.commands.generate import generate
 from ddptrain.commands.k8s import k8s
 from ddptrain.commands.launch import launch
+from ddptrain.commands.lighthouse import lighthouse
 from ddptrain.commands.prepare import prepare
 from ddptrain.commands.report import report
 from ddptrain.commands.slurm import slurm
@@ -114,6 +115,7 @@ COMMANDS: dict[str, Command] = {
     "generate": Command(generate, "sample text from the built-in GPT of a run's newest good checkpoint"),
     "slurm": Command(slurm, "write (and --submit) an sbatch script for a config"),
     "k8s": Command(k8s, "write a Kubeflow PyTorchJob manifest for a config"),
+    "lighthouse": Command(lighthouse, "serve torchft's Lighthouse, the quorum service of in-place recovery"),
 }
 
 
