@@ -30,7 +30,11 @@ CASES = [
     (["slurm", "--step-seconds", "soon"], "ddptrain slurm", "argument --step-seconds: invalid float value"),
     (["k8s"], "ddptrain k8s", "the following arguments are required: --image"),
     (["lighthouse"], "ddptrain lighthouse", "the following arguments are required: --bind"),
-    (["lighthouse", "--bind", "h:1", "--min-replicas", "x"], "ddptrain lighthouse", "argument --min-replicas: invalid int"),
+    (
+        ["lighthouse", "--bind", "h:1", "--min-replicas", "x"],
+        "ddptrain lighthouse",
+        "argument --min-replicas: invalid int",
+    ),
     (["k8s", "--image", "i", "--gang", "slurm"], "ddptrain k8s", "argument --gang: invalid choice: 'slurm'"),
     ([], "ddptrain", "the following arguments are required: COMMAND"),
     (["nosuch"], "ddptrain", "argument COMMAND: invalid choice: 'nosuch'"),
