@@ -21,6 +21,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in t
 
 from ddptrain.config import DistConfig
 from ddptrain.errors import DdptrainError, LaunchError
+from ddptrain.ft_env import BIND_ENV
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -141,7 +142,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
 
 # Set by `ddptrain launch`: the one address rank 0 binds its store to (loopback on one node, the
 # node's --node-addr otherwise). torch's TCPStore server listens on every interface by itself.
-BIND_ADDR_ENV = "DDPTRAIN_BIND_ADDR"
+BIND_ADDR_ENV = BIND_ENV
 
 
 def listening_store(addr: str, port: int, timeout: timedelta, world_size: int | None = None) -> TCPStore:

@@ -1,0 +1,45 @@
+"""The contract between `ddptrain launch --fault-tolerance torchft` and its workers: three variables.
+
+The launcher sets them on every worker of a replica group (one node's ranks by default); a worker that
+finds REPLICA_GROUP_ENV set trains in the in-place fault-tolerant mode (train/in_place.py), with its
+group's ranks doing DDP among themselves and the groups all-reducing through torchft.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ddptrain.endpoints import host_port
+from ddptrain.errors import LaunchError
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # http://HOST:PORT of the Lighthouse (torchft's own variable name)
+REPLICA_GROUP_ENV = "DDPTRAIN_REPLICA_GROUP"  # this group's id: a small integer, distinct per group
+BIND_ENV = "DDPTRAIN_BIND_ADDR"  # the address this node's servers bind (the node's address or loopback)
+
+
+@dataclass(frozen=True)
+class FaultToleranceEnv:
+    """Where the Lighthouse is, which replica group this worker belongs to, and the address to serve on."""
+
+    lighthouse: str  # http://HOST:PORT
+    replica_group: int
+    bind: str
+
+
+def read_ft_env() -> FaultToleranceEnv | None:
+    """The in-place mode's settings from the environment; None when this worker is not in that mode."""
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    if group is None:
+        return None
+    if not group.isdigit() or len(group) > 6:
+        raise LaunchError(f"{REPLICA_GROUP_ENV}={group!r} must be a small non-negative integer (the group's id)")
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV, "")
+    if not lighthouse:
+        raise LaunchError(
+            f"{REPLICA_GROUP_ENV} is set but {LIGHTHOUSE_ENV} is not: launch with "
+            "`ddptrain launch --fault-tolerance torchft --lighthouse HOST:PORT`"
+        )
+    address = lighthouse.removeprefix("http://")
+    host_port(LIGHTHOUSE_ENV, address)  # one line naming the variable when it is not HOST:PORT
+    return FaultToleranceEnv(f"http://{address}", int(group), os.environ.get(BIND_ENV, "127.0.0.1"))
