@@ -30,8 +30,9 @@ Then `Run.fit()` trains.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ from ddptrain.errors import (
     Preempted,
     UserError,
 )
+from ddptrain.ft_env import FaultToleranceEnv, read_ft_env
 from ddptrain.models import build_model, fit_vocab_to_data
 from ddptrain.observe.endings import end_record
 from ddptrain.observe.forensics import enable_flight_recorder
@@ -69,11 +71,13 @@ from ddptrain.observe.runlog import run_logging, stop_rank_files
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
-from ddptrain.run_folder import checkpoints_dir, config_file, export_dir, report_dir, stacks_dir
+from ddptrain.run_folder import LEASE, checkpoints_dir, config_file, export_dir, report_dir, stacks_dir
 from ddptrain.run_sources import ModelSource, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.hooks import Hooks
+from ddptrain.train.in_place import InPlaceSession
+from ddptrain.train.in_place_trainer import InPlaceTrainer
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaDivergence
@@ -197,6 +201,7 @@ class Run:
         """Wait for an in-flight save, stop the watchdog, close the metrics and flush the trackers (every rank)."""
         try:
             self.triage.close()
+            self.trainer.close()
             self.checkpointer.wait()
             self.trainer.certificate.close()
             self.metrics.close(self.status)
@@ -222,21 +227,31 @@ def build_run(
     ctx: DistContext,
     model: ModelSource = None,
     datasets: LiveData = None,
-    trainer_cls: type[Trainer] = Trainer,
+    trainer_cls: Callable[..., Trainer] = Trainer,
     timeline: RecoveryTimeline | None = None,
+    in_place: FaultToleranceEnv | None = None,
 ) -> Run:
     """Steps 2-8 of the module docstring on every rank of ctx (the process group already exists).
 
     trainer_cls: a subclass of Trainer with step methods of your own (the benchmarks use one).
     timeline: the marks of this (re)start so far; the run adds its own and writes them after the first step.
+    in_place: this worker's replica group in the in-place fault-tolerant mode (ft_env.py): the group holds its
+    own lease on the folder, and trains with an InPlaceTrainer.
     """
+    lease_name = LEASE
+    if in_place is not None:
+        session = InPlaceSession(in_place, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
+        trainer_cls, lease_name = (
+            functools.partial(InPlaceTrainer, session=session),
+            f"{LEASE}.group{in_place.replica_group}",
+        )
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
     check_collate(cfg.data)  # and a data.collate that does not import
     cfg, model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     source = data_source(cfg.data, datasets)
-    lease, tag = take_lease(run_dir, ctx)
+    lease, tag = take_lease(run_dir, ctx, lease_name)
     try:
         return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline)
     except BaseException:
@@ -245,7 +260,7 @@ def build_run(
         raise
 
 
-def take_lease(run_dir: Path, ctx: DistContext) -> tuple[RunLease | None, str]:
+def take_lease(run_dir: Path, ctx: DistContext, name: str = LEASE) -> tuple[RunLease | None, str]:
     """Step 2's lease: rank 0 takes run.dir's lease; every rank learns the outcome and a refusal exits 2 on all.
 
     Returns the lease on rank 0 (None elsewhere) and its token on every rank (it tags the temp folders).
@@ -255,7 +270,7 @@ def take_lease(run_dir: Path, ctx: DistContext) -> tuple[RunLease | None, str]:
     if ctx.is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)  # run.dir itself may be a link the user made
-            lease = RunLease(run_dir).acquire()
+            lease = RunLease(run_dir, name).acquire()
         except LeaseHeld as e:
             error = str(e)
         except OSError as e:
@@ -279,7 +294,7 @@ def _build(
     writer: CheckpointFormat,
     model: ModelSource,
     source: DataSource,
-    trainer_cls: type[Trainer],
+    trainer_cls: Callable[..., Trainer],
     timeline: RecoveryTimeline | None,
 ) -> Run:
     run_dir, (lease, tag) = cfg.run_dir, leased
@@ -312,6 +327,7 @@ def _build(
         lease.when_lost(run.abandon_folder)  # on the heartbeat thread: rank 0 stops writing at once
     try:
         resume_or_start(cfg, trainer, checkpointer, metrics, timeline)
+        trainer.after_resume()
         if ctx.is_main:  # only now: a refused run (exit 2) leaves the folder's config.yaml as it was
             _write_config(cfg)
     except BaseException:
@@ -373,7 +389,7 @@ def train(
             run_logging(cfg.run_dir, ctx.rank, ctx.world_size, ctx.hostname, hold=True) as logs,
         ):
             timeline.mark("process_group_ready")
-            run = build_run(cfg, ctx, model, datasets, timeline=timeline)
+            run = build_run(cfg, ctx, model, datasets, timeline=timeline, in_place=read_ft_env())
             run.trainer.hooks = checked_hooks
             logs.accept()  # the run is accepted: its set-up lines reach the rank's log file
             if watch is not None and run.lease is not None:

@@ -37,8 +37,9 @@ class RunLease(LockFile):
 
     breaks_unreadable = False  # an unreadable lease has no provable owner: refused, never taken over
 
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(run_dir, LEASE)
+    def __init__(self, run_dir: Path, name: str = LEASE) -> None:
+        # name: another lease file beside the run's, e.g. one per replica group in the in-place mode
+        super().__init__(run_dir, name)
         self.run_dir = run_dir
 
     def acquire(self, attempts: int = 5) -> RunLease:

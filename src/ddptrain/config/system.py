@@ -50,6 +50,12 @@ class DistConfig(Section):
     startup_timeout_s: float = Field(
         900.0, gt=0, le=MAX_TIMEOUT_S, description="Timeout for the first collectives while all ranks start up."
     )
+    ft_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="In-place fault tolerance (ddptrain launch --fault-tolerance torchft): how long a cross-group all-reduce, a commit vote or a heal's transfer may take before the step is discarded.",
+    )
     watchdog: bool = Field(
         True,
         description="Hang watchdog: fail a rank whose step makes no progress for watchdog_k x p99 step time + watchdog_margin_s (stacks go to run.dir/stacks).",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +130,7 @@ class Trainer:
         groups = replica_groups(ctx.world_size, cfg.dist.strategy, cfg.dist.shard_size or 1)
         self.replicas = ReplicaCheck(ctx, cfg.log.replica_check_every, groups)
         self.step = 0
+        self.world_size = ctx.world_size  # the ranks that took part in the last step
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
@@ -139,6 +140,12 @@ class Trainer:
     def setup(self) -> None:
         """All ranks, in the run's set-up: the stop agreement's group (a collective only next to NCCL)."""
         self.agreement.setup()
+
+    def after_resume(self) -> None:
+        """All ranks, once the resume decided the first step: nothing here (the in-place mode joins its quorum)."""
+
+    def close(self) -> None:
+        """Release what the trainer holds beyond the run's parts: nothing here (the in-place mode: its Manager)."""
 
     def logs_at(self, step: int) -> bool:
         """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
@@ -164,28 +171,40 @@ class Trainer:
         """
         t0 = time.perf_counter()
         self.timer.start()
-        self.ddp.train()
-        loss_sum = torch.zeros((), device=self.ctx.device)
         batches = [self.next_batch() for _ in range(self.accum)]
         self.timer.lap("data")
         weights = micro_batch_weights(batches, self.ctx)  # batches with labels: the step's mean over target tokens
+        loss_sum = self.forward_backward(batches, [1 / self.accum] * self.accum if weights is None else weights)
+        self.sampler.advance()
+        norm, skipped = self.apply_update()
+        self.step += 1
+        return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
+
+    def forward_backward(
+        self, batches: list[Any], weights: Sequence[float | torch.Tensor] | torch.Tensor
+    ) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches, micro-batch i's loss scaled by weights[i]; the
+        gradients are reduced once, in the last backward. Returns the sum of the scaled losses (a device tensor)."""
+        self.ddp.train()
+        loss_sum = torch.zeros((), device=self.ctx.device)
         for micro, batch in enumerate(batches):
-            # Gradients of the first accum-1 micro-batches accumulate locally: no_sync() (DDP) or
-            # FSDP2's gradient sync switch skips their all-reduce/reduce-scatter; the last backward
-            # reduces the sum once.
-            last = micro == self.accum - 1
+            # Gradients of the first micro-batches accumulate locally: no_sync() (DDP) or FSDP2's
+            # gradient sync switch skips their all-reduce/reduce-scatter; the last backward reduces the sum once.
+            last = micro == len(batches) - 1
             set_gradient_sync(self.ddp, last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 output = model_output(self.ddp, batch)
-                loss = extract_loss(output, self.model_name)
-                loss = loss / self.accum if weights is None else loss * weights[micro]
-                self.custom.add(output, batch, 1 / self.accum)  # device sums: no host read
+                loss = extract_loss(output, self.model_name) * weights[micro]
+                self.custom.add(output, batch, 1 / len(batches))  # device sums: no host read
             self.timer.lap("forward")
             self.precision.backward(loss)
             self.timer.lap("backward")
             loss_sum += loss.detach()
-        self.sampler.advance()
+        return loss_sum
+
+    def apply_update(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, step the optimizer (unless the gradient is non-finite) and the schedule: (grad norm, skipped)."""
         self.precision.unscale_(self.optimizer)
         # After DDP's all-reduce every rank holds the same gradients, so every rank computes the
         # same norm: the finite check below is agreed on by all ranks without a collective. Under
@@ -199,8 +218,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.timer.lap("optimizer")
-        self.step += 1
-        return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
+        return norm, skipped
 
     # ---- evaluation -------------------------------------------------------------------------
 
@@ -375,14 +393,12 @@ class Trainer:
 
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
         """All ranks: average the window's loss over ranks; rank 0 writes and shows it (the step's host reads)."""
-        loss = float(all_reduce_mean(self.ctx, mean_loss))
+        loss = self.mean_over_ranks(mean_loss)
         skipped = self.nonfinite.take().count
         self.last_loss = loss
         if self.ctx.is_main:
             self.certificate.write(
-                certificate_record(
-                    self.step, loss, self.ctx.world_size, self.model, self.optimizer, self.sampler, steps
-                )
+                certificate_record(self.step, loss, self.world_size, self.model, self.optimizer, self.sampler, steps)
             )
         record: dict[str, Any] = {
             "step": self.step,
@@ -390,7 +406,7 @@ class Trainer:
             "loss": loss,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
-            "world_size": self.ctx.world_size,
+            "world_size": self.world_size,
             "global_batch_size": self.cfg.train.global_batch_size,
             "grad_accum": self.accum,
             "step_time_s": seconds / steps,
@@ -412,6 +428,10 @@ class Trainer:
             k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", *custom) if k in record
         }
         self.progress.update(self.step, shown)
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        """The mean of a rank's logged value over the ranks of the step (a host read: logged steps only)."""
+        return float(all_reduce_mean(self.ctx, value))
 
     def log_stragglers(self) -> None:
         """All ranks: compare local step times; rank 0 records them, every rank logs a straggler warning."""

@@ -1,0 +1,271 @@
+"""In-place fault tolerance on torchft: this replica group's Manager, its quorum, and the cross-group reductions.
+
+Each step starts with a quorum from the Lighthouse (synchronous: the step's data split depends on who
+is in it). A group that is behind (a replacement) receives the live state from a peer during the quorum
+and checks it before it trains (`heal`). Gradients cross the groups after backward, in one fixed layout;
+the reduction's errors are reported to the Manager, never raised: a peer dying mid all-reduce makes
+`should_commit()` discard the step instead of crashing the survivors (torchft's own DDP comm hook asserts
+there, field notes). Every server binds the node's address (FaultToleranceEnv.bind), never all interfaces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddptrain.dist import DistContext, broadcast_object, listening_store
+from ddptrain.errors import UserError
+from ddptrain.ft_env import FaultToleranceEnv
+
+log = logging.getLogger(__name__)
+
+StateFn = Callable[[], dict[str, Any]]
+LoadFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Heal:
+    """What this group received from a live peer in this step's quorum."""
+
+    seconds: float  # quorum + transfer + verification + load
+    bytes: int
+    verified: bool  # the digest the donor sent matched what arrived
+    error: str | None = None  # why the state was refused (verified is False)
+
+
+@dataclass(frozen=True)
+class View:
+    """This step's quorum as this group sees it."""
+
+    rank: int  # this group's rank among the participating groups
+    groups: int  # participating groups
+    heal: Heal | None  # set when this group healed in this quorum
+
+
+def tree_digest(state: Any) -> str:
+    """SHA-256 over a state tree: every tensor's dtype, shape and bytes, every other leaf's pickle, in key order."""
+    h = hashlib.sha256()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().contiguous().cpu()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, dict):
+            h.update(b"D%d" % len(obj))
+            for k in sorted(obj, key=repr):
+                h.update(repr(k).encode())
+                visit(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            h.update(b"L%d" % len(obj))
+            for v in obj:
+                visit(v)
+        else:
+            h.update(pickle.dumps(obj, protocol=4))
+
+    visit(state)
+    return h.hexdigest()
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in a state tree."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
+
+
+_server_lock = threading.Lock()
+
+
+@contextmanager
+def _manager_server_bound(host: str) -> Iterator[None]:
+    """torchft 0.2.0's Manager builds its gRPC server on `[::]` (every interface) with no way to say otherwise:
+    while the Manager is made, its ManagerServer is built on `host` instead (an ephemeral port)."""
+    import torchft.manager as manager_module
+
+    original = manager_module.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        kwargs["bind"] = f"[{host}]:0" if ":" in host else f"{host}:0"
+        return original(**kwargs)
+
+    with _server_lock:
+        manager_module.ManagerServer = bound
+        try:
+            yield
+        finally:
+            manager_module.ManagerServer = original
+
+
+class InPlaceSession:
+    """This rank's share of its replica group's torchft Manager. `start` (a collective in the group) makes it."""
+
+    def __init__(self, env: FaultToleranceEnv, ctx: DistContext, timeout_s: float, quorum_timeout_s: float) -> None:
+        self.env, self.ctx = env, ctx
+        self.timeout = timedelta(seconds=timeout_s)
+        self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
+        self.manager: Any = None
+        self.pg: Any = None
+        self._store: Any = None
+        self._state_fn: StateFn | None = None
+        self._load_fn: LoadFn | None = None
+        self._heal: Heal | None = None
+        self._quorum_started = 0.0
+
+    def start(self, step: int, state_fn: StateFn, load_fn: LoadFn) -> None:
+        """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager.
+
+        state_fn/load_fn: the live state a donor sends and a joiner loads (after checking its digest).
+        """
+        # torchft's Rust side logs every quorum and commit at INFO: a line per step and group. Warnings still show;
+        # RUST_LOG=info brings the rest back.
+        os.environ.setdefault("RUST_LOG", "warn")
+        try:
+            from torchft.checkpointing.pg_transport import PGTransport
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError:
+            raise UserError("in-place fault tolerance needs torchft: pip install 'ddptrain[ft]'") from None
+        self._state_fn, self._load_fn = state_fn, load_fn
+        bind = self.env.bind
+        port = 0
+        if self.ctx.rank == 0:
+            # A store of its own per incarnation: a restarted group never reads the last one's keys.
+            self._store = listening_store(bind, 0, self.timeout)
+            port = self._store.port
+        port = broadcast_object(self.ctx, port)
+        pg_class = ProcessGroupNCCL if self.ctx.device.type == "cuda" else ProcessGroupGloo
+        self.pg = pg_class(timeout=self.timeout)
+        with _manager_server_bound(bind):
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=self._load,
+                state_dict=self._send,
+                min_replica_size=1,
+                use_async_quorum=False,  # the step's data split depends on the quorum: know it first
+                timeout=self.timeout,
+                quorum_timeout=self.quorum_timeout,
+                connect_timeout=self.timeout,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                store_addr=bind,
+                store_port=port,
+                lighthouse_addr=self.env.lighthouse,
+                replica_id=f"g{self.env.replica_group}",
+                hostname=bind,  # what the other groups dial to heal from us: an address, not a host name
+                checkpoint_transport=PGTransport(self.pg, self.timeout, self.ctx.device),
+                init_sync=False,  # every group builds the same initial weights from run.seed
+                max_retries=20,
+            )
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def _send(self) -> dict[str, Any]:
+        """The donor's side of a heal: the live state and its digest (the joiner checks it before loading)."""
+        assert self._state_fn is not None
+        state = self._state_fn()
+        return {"state": state, "digest": tree_digest(state)}
+
+    def _load(self, received: dict[str, Any]) -> None:
+        """The joiner's side: load the received state only when its bytes hash to the digest the donor sent."""
+        assert self._load_fn is not None
+        state, digest = received["state"], received["digest"]
+        size = tensor_bytes(state)
+        got = tree_digest(state)
+        if got != digest:
+            self._heal = Heal(0.0, size, False, f"received state digest {got[:12]} != donor's {digest[:12]}")
+            return
+        self._load_fn(state)
+        self._heal = Heal(0.0, size, True)
+
+    def quorum(self, committed_step: int) -> View:
+        """This step's quorum (healing this group from a peer when it is behind)."""
+        self._heal = None
+        t0 = time.perf_counter()
+        self.manager.start_quorum(timeout=self.quorum_timeout)
+        heal = self._heal
+        if heal is not None:
+            heal = Heal(time.perf_counter() - t0, heal.bytes, heal.verified, heal.error)
+            if not heal.verified:
+                # Stay behind the others, so that the next quorum heals this group again.
+                self.manager.load_state_dict({"step": committed_step, "batches_committed": 0})
+        rank = self.manager.participating_rank()
+        return View(rank if rank is not None else -1, self.manager.num_participants(), heal)
+
+    def errored(self) -> bool:
+        """True when a collective of this step failed (the step will be discarded)."""
+        return self.manager.errored() is not None
+
+    def report(self, why: str) -> None:
+        """Mark this step failed: should_commit() then discards it."""
+        self.manager.report_error(RuntimeError(why))
+
+    def should_commit(self) -> bool:
+        """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""
+        return bool(self.manager.should_commit())
+
+    def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the gradients over the participating groups, in the parameters' order, after backward.
+
+        Not in a DDP comm hook: DDP lays its buckets out anew after a module's first iteration, so a group that
+        just joined holds another layout than the others until its first step, and bucket-wise sums would add
+        one parameter's gradient to another's. Every rank sums with the same rank of the other groups.
+        """
+        grads = [p.grad for p in parameters if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = _flatten_dense_tensors(same)
+            self.cross_sum(flat).wait()
+            if self.errored():
+                return  # the step is discarded: the gradients are dropped as they are
+            for g, summed in zip(same, _unflatten_dense_tensors(flat, same)):
+                g.copy_(summed)
+
+    def cross_sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Sum `tensor` over the participating groups (in place); errors go to the Manager, never raised."""
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type the field narrowly
+        try:
+            fut = self.pg.allreduce([tensor], opts).get_future()
+        except Exception as e:  # a process group already broken by a lost peer
+            self.manager.report_error(e)
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(tensor)
+            return done
+        waited: torch.futures.Future[Any] = self.manager.wrap_future(fut, [tensor], timeout=self.timeout)
+        return waited.then(lambda _f: tensor)  # reduced in place, or left as it was after a reported failure
+
+    def sum_over_all_ranks(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor` summed over every rank of every participating group; None when the reduction failed."""
+        if self.ctx.world_size > 1:
+            dist.all_reduce(tensor, group=self.ctx.group)
+        self.cross_sum(tensor).wait()
+        return None if self.errored() else tensor
+
+    def close(self) -> None:
+        """Stop the Manager's server and threads, and the group's store."""
+        if self.manager is not None:
+            try:
+                self.manager.shutdown(wait=False)
+            except Exception as e:  # closing after a failure: say it, do not mask the failure
+                log.warning("torchft manager shutdown: %s", e)
+            self.manager = None
+        self._store = None

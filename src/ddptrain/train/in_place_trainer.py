@@ -1,0 +1,258 @@
+"""The Trainer of the in-place fault-tolerant mode: survivors keep training when a replica group dies.
+
+A step is: quorum -> this rank's share of the global batch -> forward/backward (gradients summed over
+the group, then over the groups, train/in_place.py) -> one small sum of the step's loss and health ->
+commit or discard. The global batch never changes: its micro-batches are cut over the ranks taking
+part in this step, so a committed step consumes exactly the samples of the same step in a fault-free
+run, and a discarded step's samples are consumed again by the step that replaces it. The ranks taking
+part are known before the data is read, because the quorum is synchronous.
+
+The folder is written by the participating group of rank 0 (the lowest id in the quorum): metrics,
+certificate, checkpoints. A heal is recorded by the group that healed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from ddptrain.checkpoint import Checkpointer
+from ddptrain.config import Config
+from ddptrain.dist import DistContext
+from ddptrain.errors import ConfigError
+from ddptrain.models.loss import to_device
+from ddptrain.observe.digest import named_state, state_digests
+from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.recovery import RecoveryTimeline
+from ddptrain.observe.triage import Triage
+from ddptrain.train.in_place import InPlaceSession, View
+from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.trainer import StepResult, Trainer
+
+log = logging.getLogger(__name__)
+
+_LOSS, _OK, _HEALED, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks, healed groups, then group ids
+_FINGERPRINT_BITS = 40  # digest words summed over up to 2**12 ranks stay exact in float64
+
+
+def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
+    """Micro-batches [lo, hi) of the global batch taken by rank `index` of `ranks` (as even as it gets)."""
+    return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
+
+
+class InPlaceTrainer(Trainer):
+    """Trainer whose steps survive the loss of other replica groups (torchft); see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        model: nn.Module,
+        train_set: Dataset[Any],
+        val_set: Dataset[Any] | None,
+        checkpointer: Checkpointer,
+        metrics: MetricsWriter,
+        progress: Progress,
+        session: InPlaceSession,
+    ) -> None:
+        super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
+        if cfg.dist.strategy != "ddp":
+            raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
+        if not hasattr(train_set, "__getitem__"):
+            raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
+        self.train_set = train_set
+        self.group_id = session.env.replica_group
+        self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
+        self.session = session
+        self.writer = ctx.is_main  # until the first quorum says which group writes
+        self.members: list[int] = []  # the group ids of the last committed step
+        self.discarded = 0  # steps discarded since the last commit
+        self.stop_request: StopRequest | None = None
+
+    def after_resume(self) -> None:
+        """Join the quorum at the step this group holds (a collective in the group: its store and Manager)."""
+        self.session.start(self.step, self.live_state, self.load_live_state)
+
+    def close(self) -> None:
+        """Leave the quorum: stop the Manager's server and threads."""
+        self.session.close()
+
+    def live_state(self) -> dict[str, Any]:
+        """What a donor sends a joining group: the whole training state, data position included, and who took part
+        in the last step (so that a joiner that comes to write the folder reports the next change right)."""
+        return {"training": self.state_dict(), "groups": list(self.members)}
+
+    def load_live_state(self, state: dict[str, Any]) -> None:
+        """Load a peer's verified live state (the joiner's side of a heal)."""
+        self.load_state_dict(state["training"])
+        self.members = list(state["groups"])
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def train_step(self) -> StepResult:
+        """One committed step: attempts until the groups in the quorum commit one (a discarded attempt changes
+        nothing: no update, the data position stays)."""
+        t0 = time.perf_counter()
+        while True:
+            view = self.session.quorum(self.step)
+            if view.heal is not None:
+                self.record_heal(view)
+            if view.groups * self.ctx.world_size > self.micro_batches:
+                raise ConfigError(
+                    f"{view.groups} replica groups x {self.ctx.world_size} ranks take part, more than the "
+                    f"{self.micro_batches} micro-batches of a global batch: raise train.global_batch_size"
+                )
+            result = self.attempt(view, t0)
+            if result is not None:
+                return result
+            self.discarded += 1
+            level = self.stop_request.level if self.stop_request is not None else NO_STOP
+            if level != NO_STOP:  # a stop signal while steps fail: leave now, at the last committed step
+                raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
+
+    def attempt(self, view: View, t0: float) -> StepResult | None:
+        """Train this rank's share of the next global batch; the StepResult when the step was committed."""
+        self.timer.start()
+        ranks = view.groups * self.ctx.world_size
+        lo, hi = share(self.micro_batches, ranks, view.rank * self.ctx.world_size + self.ctx.rank)
+        batches = self.batches_of(lo, hi)
+        self.timer.lap("data")
+        # DDP averages over the group's ranks; the groups then sum: each micro-batch weighs group size / M.
+        loss = self.forward_backward(batches, [self.ctx.world_size / self.micro_batches] * len(batches))
+        self.session.sum_gradients(self.model.parameters())
+        summed = self.step_sum(view, loss / self.ctx.world_size)
+        committed = self.session.should_commit()  # every rank of the group: the same verdict
+        if not committed:
+            self.optimizer.zero_grad(set_to_none=True)
+            why = str(self.session.manager.errored() or "a group's vote").strip().splitlines()[0]
+            log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
+            return None
+        assert summed is not None
+        self.after_commit(view, summed, ranks, hi - lo)
+        norm, skipped = self.apply_update()
+        self.sampler.advance()
+        self.step += 1
+        return StepResult(summed[_LOSS].to(self.ctx.device, torch.float32), norm, skipped, time.perf_counter() - t0)
+
+    def batches_of(self, lo: int, hi: int) -> list[Any]:
+        """Micro-batches lo..hi of the next global batch, read by sample id (the same ids at any membership)."""
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        micro = self.cfg.data.micro_batch_size
+        start = self.sampler.position
+        ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
+        chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
+        batches = [self.collate([self.train_set[i] for i in chunk]) for chunk in chunks]
+        if isinstance(batches[0], dict) and "labels" in batches[0]:
+            raise ConfigError("in-place fault tolerance does not weight a loss by answer tokens (SFT data) yet")
+        return [to_device(batch, self.ctx.device) for batch in batches]
+
+    def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
+        """Sum over every rank of the step: the loss, who is healthy, who healed, the group ids in quorum order.
+
+        A group whose heal was refused says so here, so every group discards the step (and it heals again).
+        On a step where a group healed, every rank also compares the state's fingerprint with all the others.
+        """
+        values = torch.zeros(_FIXED + view.groups, dtype=torch.float64)
+        values[_LOSS] = loss.detach().to("cpu", torch.float64)
+        values[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
+        if self.ctx.rank == 0:
+            values[_HEALED] = 1.0 if view.heal is not None else 0.0
+            values[_FIXED + view.rank] = self.group_id + 1
+        summed = self.session.sum_over_all_ranks(values)
+        if summed is None:
+            return None
+        ranks = view.groups * self.ctx.world_size
+        if int(summed[_OK]) != ranks:
+            self.session.report(f"{ranks - int(summed[_OK])} rank(s) refused the state they healed from")
+            return None
+        if summed[_HEALED] > 0 and not self.states_agree(ranks):
+            self.session.report("the replicas' states differ after a heal")
+            if view.heal is not None:  # this group is the newcomer: it heals again
+                self.session.manager.load_state_dict({"step": 0, "batches_committed": 0})
+            return None
+        return summed
+
+    def states_agree(self, ranks: int) -> bool:
+        """Every rank's model and optimizer state hash the same (one sum of fingerprints over all ranks)."""
+        digests = state_digests(named_state(self.model, self.optimizer), self.ctx.device).cpu()
+        mine = (digests & ((1 << _FINGERPRINT_BITS) - 1)).to(torch.float64)
+        summed = self.session.sum_over_all_ranks(mine.clone())
+        return summed is not None and bool(torch.equal(summed, mine * ranks))
+
+    def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
+        """Record who took part: the writer of the folder, world size, and any change of membership."""
+        self.writer = view.rank == 0
+        self.metrics.enabled = self.ctx.is_main and self.writer
+        self.certificate.enabled = self.ctx.is_main and self.writer
+        self.world_size, self.accum = ranks, mine
+        members = [int(g) - 1 for g in summed[_FIXED:].tolist()]
+        if members != self.members:
+            old = set(self.members)
+            self.metrics.write(
+                "event",
+                event="quorum",
+                step=self.step + 1,
+                groups=members,
+                joined=sorted(set(members) - old) if self.members else [],
+                left=sorted(old - set(members)),
+                world_size=ranks,
+                discarded_steps=self.discarded,
+            )
+            log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
+            self.members = members
+        self.discarded = 0
+
+    def record_heal(self, view: View) -> None:
+        """The group that healed writes the heal into metrics.jsonl itself (whoever writes the rest)."""
+        heal = view.heal
+        assert heal is not None
+        record = {
+            "event": "heal",
+            "step": self.step,
+            "replica_group": self.group_id,
+            "seconds": round(heal.seconds, 4),
+            "bytes": heal.bytes,
+            "bytes_per_s": round(heal.bytes / heal.seconds) if heal.seconds > 0 else None,
+            "verified": heal.verified,
+            **({"error": heal.error} if heal.error else {}),
+        }
+        (log.info if heal.verified else log.warning)("heal: %s", record)
+        was, self.metrics.enabled = self.metrics.enabled, self.ctx.is_main
+        try:
+            self.metrics.write("event", **record)
+        finally:
+            self.metrics.enabled = was
+
+    def fit(
+        self,
+        stop_request: StopRequest | None = None,
+        watchdog: Triage | None = None,
+        timeline: RecoveryTimeline | None = None,
+    ) -> None:
+        """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""
+        self.stop_request = stop_request
+        super().fit(stop_request, watchdog, timeline)
+
+    # ---- what only the writing group does ------------------------------------------------------------
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        """The logged loss is already the mean over every rank of the step (step_sum)."""
+        return float(value)
+
+    def save_checkpoint(self) -> None:
+        """The writing group saves (every group holds the same state after a commit)."""
+        if self.writer:
+            super().save_checkpoint()
+
+    def finish_saves(self) -> None:
+        """The writing group finishes its saves as any run does; the others have none."""
+        if self.writer:
+            super().finish_saves()
+        else:
+            self.checkpointer.wait()
