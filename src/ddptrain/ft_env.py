@@ -16,6 +16,10 @@ from ddptrain.errors import LaunchError
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # http://HOST:PORT of the Lighthouse (torchft's own variable name)
 REPLICA_GROUP_ENV = "DDPTRAIN_REPLICA_GROUP"  # this group's id: a small integer, distinct per group
 BIND_ENV = "DDPTRAIN_BIND_ADDR"  # the address this node's servers bind (the node's address or loopback)
+# Fault drills (docs/multinode.md): "corrupt_send" flips a byte of the first state this group sends to a joining
+# group, after its digest; "die_in_send" SIGKILLs this group's process when it is first asked to send one.
+INJECT_ENV = "DDPTRAIN_FT_INJECT"
+INJECTIONS = ("corrupt_send", "die_in_send")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class FaultToleranceEnv:
     lighthouse: str  # http://HOST:PORT
     replica_group: int
     bind: str
+    inject: str | None = None  # a fault drill (INJECT_ENV)
 
 
 def read_ft_env() -> FaultToleranceEnv | None:
@@ -42,4 +47,7 @@ def read_ft_env() -> FaultToleranceEnv | None:
         )
     address = lighthouse.removeprefix("http://")
     host_port(LIGHTHOUSE_ENV, address)  # one line naming the variable when it is not HOST:PORT
-    return FaultToleranceEnv(f"http://{address}", int(group), os.environ.get(BIND_ENV, "127.0.0.1"))
+    inject = os.environ.get(INJECT_ENV) or None
+    if inject is not None and inject not in INJECTIONS:
+        raise LaunchError(f"{INJECT_ENV}={inject!r} is not a fault drill; use one of {', '.join(INJECTIONS)}")
+    return FaultToleranceEnv(f"http://{address}", int(group), os.environ.get(BIND_ENV, "127.0.0.1"), inject)

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -91,6 +92,26 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
+def _flip_one_byte(state: Any) -> Any:
+    """A copy of the state tree whose first non-empty floating-point tensor has one byte flipped (a fault drill)."""
+    flipped = False
+
+    def visit(obj: Any) -> Any:
+        nonlocal flipped
+        if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.numel() and not flipped:
+            flipped = True
+            copy = obj.detach().clone().contiguous()
+            copy.reshape(-1).view(torch.uint8)[0] ^= 0x01
+            return copy
+        if isinstance(obj, dict):
+            return {k: visit(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [visit(v) for v in obj]
+        return obj
+
+    return visit(state)
+
+
 _server_lock = threading.Lock()
 
 
@@ -127,7 +148,7 @@ class InPlaceSession:
         self._state_fn: StateFn | None = None
         self._load_fn: LoadFn | None = None
         self._heal: Heal | None = None
-        self._quorum_started = 0.0
+        self._drill = env.inject
 
     def start(self, step: int, state_fn: StateFn, load_fn: LoadFn) -> None:
         """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager.
@@ -180,7 +201,15 @@ class InPlaceSession:
         """The donor's side of a heal: the live state and its digest (the joiner checks it before loading)."""
         assert self._state_fn is not None
         state = self._state_fn()
-        return {"state": state, "digest": tree_digest(state)}
+        sent = {"state": state, "digest": tree_digest(state)}
+        drill, self._drill = self._drill, None  # a drill fires once
+        if drill == "die_in_send":
+            log.warning("fault drill: this group dies while it is the donor of a heal")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if drill == "corrupt_send":
+            log.warning("fault drill: one byte of the state sent to the joining group is flipped")
+            sent["state"] = _flip_one_byte(state)
+        return sent
 
     def _load(self, received: dict[str, Any]) -> None:
         """The joiner's side: load the received state only when its bytes hash to the digest the donor sent."""
