@@ -77,7 +77,7 @@ from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.hooks import Hooks
 from ddptrain.train.in_place import InPlaceSession
-from ddptrain.train.in_place_trainer import InPlaceTrainer
+from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaDivergence
@@ -240,7 +240,9 @@ def build_run(
     """
     lease_name = LEASE
     if in_place is not None:
+        check_in_place(cfg)
         session = InPlaceSession(in_place, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
+        session.start()  # reaches the Lighthouse: a refusal comes before anything is written
         trainer_cls, lease_name = (
             functools.partial(InPlaceTrainer, session=session),
             f"{LEASE}.group{in_place.replica_group}",

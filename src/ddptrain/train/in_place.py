@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddptrain.dist import DistContext, broadcast_object, listening_store
-from ddptrain.errors import UserError
+from ddptrain.errors import LaunchError, UserError
 from ddptrain.ft_env import FaultToleranceEnv
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,23 @@ def _flip_one_byte(state: Any) -> Any:
     return visit(state)
 
 
+@contextmanager
+def _lighthouse_named(lighthouse: str, timeout: timedelta) -> Iterator[None]:
+    """A Lighthouse that cannot be reached becomes one line naming it (torchft raises a RuntimeError with the
+    gRPC details; the group's rank 0 connects, the others wait on the group's store)."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if "failed to connect" not in first and "Lighthouse" not in first:
+            raise
+        cause = "connection refused" if "refused" in first else "no answer"
+        raise LaunchError(
+            f"cannot reach the Lighthouse at {lighthouse} within {timeout.total_seconds():g} s ({cause}); "
+            "start it with `ddptrain lighthouse --bind HOST:PORT` and pass that address"
+        ) from None
+
+
 _server_lock = threading.Lock()
 
 
@@ -150,11 +167,9 @@ class InPlaceSession:
         self._heal: Heal | None = None
         self._drill = env.inject
 
-    def start(self, step: int, state_fn: StateFn, load_fn: LoadFn) -> None:
-        """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager.
-
-        state_fn/load_fn: the live state a donor sends and a joiner loads (after checking its digest).
-        """
+    def start(self) -> None:
+        """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager,
+        which connects to the Lighthouse (LaunchError, exit 2, when it cannot within dist.ft_timeout_s)."""
         # torchft's Rust side logs every quorum and commit at INFO: a line per step and group. Warnings still show;
         # RUST_LOG=info brings the rest back.
         os.environ.setdefault("RUST_LOG", "warn")
@@ -164,7 +179,6 @@ class InPlaceSession:
             from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         except ImportError:
             raise UserError("in-place fault tolerance needs torchft: pip install 'ddptrain[ft]'") from None
-        self._state_fn, self._load_fn = state_fn, load_fn
         bind = self.env.bind
         port = 0
         if self.ctx.rank == 0:
@@ -174,11 +188,11 @@ class InPlaceSession:
         port = broadcast_object(self.ctx, port)
         pg_class = ProcessGroupNCCL if self.ctx.device.type == "cuda" else ProcessGroupGloo
         self.pg = pg_class(timeout=self.timeout)
-        with _manager_server_bound(bind):
+        with _manager_server_bound(bind), _lighthouse_named(self.env.lighthouse, self.timeout):
             self.manager = Manager(
                 pg=self.pg,
-                load_state_dict=self._load,
-                state_dict=self._send,
+                load_state_dict=None,  # serve() gives them, once the trainer exists
+                state_dict=None,
                 min_replica_size=1,
                 use_async_quorum=False,  # the step's data split depends on the quorum: know it first
                 timeout=self.timeout,
@@ -195,6 +209,14 @@ class InPlaceSession:
                 init_sync=False,  # every group builds the same initial weights from run.seed
                 max_retries=20,
             )
+
+    def serve(self, state_fn: StateFn, load_fn: LoadFn) -> None:
+        """The live state a donor sends (state_fn) and a joiner loads (load_fn, after its digest is checked)."""
+        self._state_fn, self._load_fn = state_fn, load_fn
+        self.manager.register_state_dict_fn("training", self._load, self._send)
+
+    def resume_at(self, step: int) -> None:
+        """Join the quorums at the step this group holds (a fresh group: its checkpoint's step, or 0)."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def _send(self) -> dict[str, Any]:

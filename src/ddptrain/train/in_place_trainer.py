@@ -40,9 +40,24 @@ _LOSS, _OK, _HEALED, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks,
 _FINGERPRINT_BITS = 40  # digest words summed over up to 2**12 ranks stay exact in float64
 
 
+def check_in_place(cfg: Config) -> None:
+    """ConfigError for what the in-place mode does not train (checked before it reaches the Lighthouse)."""
+    if cfg.dist.strategy != "ddp":
+        raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
+    if cfg.train.global_batch_size % cfg.data.micro_batch_size:
+        raise ConfigError(
+            f"in-place fault tolerance cuts the global batch into micro-batches: train.global_batch_size="
+            f"{cfg.train.global_batch_size} must be a multiple of data.micro_batch_size={cfg.data.micro_batch_size}"
+        )
+
+
 def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
     """Micro-batches [lo, hi) of the global batch taken by rank `index` of `ranks` (as even as it gets)."""
     return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
+
+
+def _first_line(error: object) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class InPlaceTrainer(Trainer):
@@ -61,8 +76,6 @@ class InPlaceTrainer(Trainer):
         session: InPlaceSession,
     ) -> None:
         super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
-        if cfg.dist.strategy != "ddp":
-            raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
         if not hasattr(train_set, "__getitem__"):
             raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
         self.train_set = train_set
@@ -74,9 +87,14 @@ class InPlaceTrainer(Trainer):
         self.discarded = 0  # steps discarded since the last commit
         self.stop_request: StopRequest | None = None
 
+    def setup(self) -> None:
+        """All ranks of the group: the stop agreement's group; the session (started by the run) serves our state."""
+        super().setup()
+        self.session.serve(self.live_state, self.load_live_state)
+
     def after_resume(self) -> None:
-        """Join the quorum at the step this group holds (a collective in the group: its store and Manager)."""
-        self.session.start(self.step, self.live_state, self.load_live_state)
+        """Join the quorums at the step this group resumed at."""
+        self.session.resume_at(self.step)
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
@@ -102,6 +120,8 @@ class InPlaceTrainer(Trainer):
             view = self.session.quorum(self.step)
             if view.heal is not None:
                 self.record_heal(view)
+            elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
+                self.record_own("quorum_failed", error=_first_line(self.session.manager.errored()))
             if view.groups * self.ctx.world_size > self.micro_batches:
                 raise ConfigError(
                     f"{view.groups} replica groups x {self.ctx.world_size} ranks take part, more than the "
@@ -129,7 +149,7 @@ class InPlaceTrainer(Trainer):
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
-            why = str(self.session.manager.errored() or "a group's vote").strip().splitlines()[0]
+            why = _first_line(self.session.manager.errored() or "a group's vote")
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None
         assert summed is not None
@@ -212,20 +232,21 @@ class InPlaceTrainer(Trainer):
         """The group that healed writes the heal into metrics.jsonl itself (whoever writes the rest)."""
         heal = view.heal
         assert heal is not None
-        record = {
-            "event": "heal",
-            "step": self.step,
-            "replica_group": self.group_id,
+        record: dict[str, Any] = {
             "seconds": round(heal.seconds, 4),
             "bytes": heal.bytes,
             "bytes_per_s": round(heal.bytes / heal.seconds) if heal.seconds > 0 else None,
             "verified": heal.verified,
             **({"error": heal.error} if heal.error else {}),
         }
-        (log.info if heal.verified else log.warning)("heal: %s", record)
+        (log.info if heal.verified else log.warning)("heal of group %d: %s", self.group_id, record)
+        self.record_own("heal", **record)
+
+    def record_own(self, event: str, **fields: Any) -> None:
+        """An event of this group's own (a heal, a failed quorum): written whichever group writes the rest."""
         was, self.metrics.enabled = self.metrics.enabled, self.ctx.is_main
         try:
-            self.metrics.write("event", **record)
+            self.metrics.write("event", event=event, step=self.step, replica_group=self.group_id, **fields)
         finally:
             self.metrics.enabled = was
 

@@ -1,0 +1,138 @@
+"""In-place fault tolerance on loopback: bad input refused in one line, and a donor that dies mid-heal.
+
+Real processes: `ddptrain lighthouse` and one `ddptrain train` per replica group (a group of one rank),
+with the in-place variables of ft_env.py. The multi-host scenarios are in tests/cluster/test_in_place_recovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import env_for_subprocess, one_error_line, run_ddptrain
+
+pytest.importorskip("torchft")
+
+TOY = [
+    "model.target=faulty:build_model",
+    "data.target=toy:build_datasets",
+    "data.micro_batch_size=4",
+    "train.global_batch_size=16",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "log.every_steps=1",
+    "ckpt.every_steps=10",
+    "dist.ft_timeout_s=5",
+    "train.max_steps=40",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ft_env(group: int | str, lighthouse: str, **extra: str) -> dict[str, str]:
+    return env_for_subprocess(
+        {"DDPTRAIN_REPLICA_GROUP": str(group), "TORCHFT_LIGHTHOUSE": f"http://{lighthouse}", **extra}
+    )
+
+
+@pytest.fixture
+def lighthouse(tmp_path: Path) -> Iterator[str]:
+    address = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "lighthouse.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "lighthouse", "--bind", address],
+        env=env_for_subprocess(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        time.sleep(1.5)
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("env", "args", "says"),
+    [
+        ({}, [], "cannot reach the Lighthouse at http://127.0.0.1:9"),
+        ({}, ["dist.strategy=fsdp"], "trains with dist.strategy=ddp, not fsdp"),
+        ({"DDPTRAIN_REPLICA_GROUP": "first"}, [], "DDPTRAIN_REPLICA_GROUP='first' must be"),
+        ({"DDPTRAIN_FT_INJECT": "explode"}, [], "DDPTRAIN_FT_INJECT='explode' is not a fault drill"),
+        ({"TORCHFT_LIGHTHOUSE": "nowhere"}, [], "TORCHFT_LIGHTHOUSE 'nowhere' must look like HOST:PORT"),
+    ],
+)
+def test_bad_input_in_place_exits_2_in_one_line_and_writes_nothing(
+    tmp_path: Path, env: dict[str, str], args: list[str], says: str
+) -> None:
+    run_dir = tmp_path / "run"
+    variables = {**ft_env(0, "127.0.0.1:9"), **env}  # port 9 (discard): nothing listens there
+    done = run_ddptrain(["train", *TOY, "dist.ft_timeout_s=2", *args, f"run.dir={run_dir}"], env=variables)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in one_error_line(done)
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_without_torchft_installed_the_mode_says_which_extra(tmp_path: Path) -> None:
+    broken = tmp_path / "site" / "torchft"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('torchft is not installed here')\n")
+    env = ft_env(0, "127.0.0.1:9")
+    env["PYTHONPATH"] = f"{broken.parent}:{env['PYTHONPATH']}"
+    done = run_ddptrain(["train", *TOY, f"run.dir={tmp_path / 'run'}"], env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "pip install 'ddptrain[ft]'" in one_error_line(done)
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.timeout(150)
+def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_checkpoint(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.1", f"run.dir={run_dir}"]
+    logs = {g: open(tmp_path / f"group{g}.log", "wb") for g in (0, 1)}
+    donor = subprocess.Popen(
+        argv, env=ft_env(1, lighthouse, DDPTRAIN_FT_INJECT="die_in_send"), stdout=logs[1], stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 90
+    while not any(r.get("event") == "checkpoint" for r in records(run_dir)):
+        assert time.monotonic() < deadline and donor.poll() is None, (tmp_path / "group1.log").read_text()[-3000:]
+        time.sleep(0.1)
+    joiner = subprocess.Popen(argv, env=ft_env(0, lighthouse), stdout=logs[0], stderr=subprocess.STDOUT)
+    try:
+        assert donor.wait(timeout=90) == -signal.SIGKILL  # the drill: it died while sending its state
+        assert joiner.wait(timeout=90) == 0, (tmp_path / "group0.log").read_text()[-3000:]
+    finally:
+        for proc in (donor, joiner):
+            proc.kill()
+        for f in logs.values():
+            f.close()
+    events = [r for r in records(run_dir) if r["kind"] == "event"]
+    failed = [e for e in events if e.get("event") == "quorum_failed" and e["replica_group"] == 0]
+    assert failed, events  # the joiner saw the transfer fail, and discarded that step
+    alone = [e for e in events if e.get("event") == "quorum" and e["groups"] == [0]]
+    assert alone and alone[-1]["time"] > failed[0]["time"]  # then trained on alone ...
+    steps = [r["step"] for r in records(run_dir) if r["kind"] == "train"]
+    assert steps[-1] == 40  # ... from the newest durable checkpoint to the end
+    assert not [e for e in events if e.get("event") == "heal" and e["verified"]]
