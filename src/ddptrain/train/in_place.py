@@ -263,6 +263,15 @@ class InPlaceSession:
         """True when a collective of this step failed (the step will be discarded)."""
         return self.manager.errored() is not None
 
+    def error_line(self) -> str:
+        """The first line of this step's failure ("" when none)."""
+        error = self.manager.errored()
+        return (str(error).strip().splitlines() or [""])[0] if error is not None else ""
+
+    def heal_again(self) -> None:
+        """Fall behind every other group, so that the next quorum heals this one again."""
+        self.manager.load_state_dict({"step": 0, "batches_committed": 0})
+
     def report(self, why: str) -> None:
         """Mark this step failed: should_commit() then discards it."""
         self.manager.report_error(RuntimeError(why))

@@ -56,10 +56,6 @@ def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
     return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
 
 
-def _first_line(error: object) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 class InPlaceTrainer(Trainer):
     """Trainer whose steps survive the loss of other replica groups (torchft); see the module docstring."""
 
@@ -121,7 +117,7 @@ class InPlaceTrainer(Trainer):
             if view.heal is not None:
                 self.record_heal(view)
             elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
-                self.record_own("quorum_failed", error=_first_line(self.session.manager.errored()))
+                self.record_own("quorum_failed", error=self.session.error_line())
             if view.groups * self.ctx.world_size > self.micro_batches:
                 raise ConfigError(
                     f"{view.groups} replica groups x {self.ctx.world_size} ranks take part, more than the "
@@ -149,7 +145,7 @@ class InPlaceTrainer(Trainer):
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
-            why = _first_line(self.session.manager.errored() or "a group's vote")
+            why = self.session.error_line() or "another rank of the group voted no"
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None
         assert summed is not None
@@ -194,7 +190,7 @@ class InPlaceTrainer(Trainer):
         if summed[_HEALED] > 0 and not self.states_agree(ranks):
             self.session.report("the replicas' states differ after a heal")
             if view.heal is not None:  # this group is the newcomer: it heals again
-                self.session.manager.load_state_dict({"step": 0, "batches_committed": 0})
+                self.session.heal_again()
             return None
         return summed
 
