@@ -62,8 +62,10 @@ def check_ft_options(options: LaunchOptions) -> None:
             "decides membership; run one launch per node with --lighthouse HOST:PORT and --replica-group N"
         )
     if options.rdzv_endpoint is not None or options.etcd:
-        raise LaunchError("--fault-tolerance torchft takes no --rdzv-endpoint or --rdzv-backend: each group meets on "
-                          "this node; the groups meet at the Lighthouse")
+        raise LaunchError(
+            "--fault-tolerance torchft takes no --rdzv-endpoint or --rdzv-backend: each group meets on "
+            "this node; the groups meet at the Lighthouse"
+        )
     if options.replica_groups < 1:
         raise LaunchError(f"--replica-groups {options.replica_groups} must be at least 1")
     if options.lighthouse is None:
@@ -77,13 +79,16 @@ def check_ft_options(options: LaunchOptions) -> None:
 def _check_joining(options: LaunchOptions) -> None:
     host, _ = serving_endpoint("--lighthouse", options.lighthouse or "")
     if options.replica_group is None:
-        raise LaunchError("--lighthouse needs --replica-group N: this launch's group id, distinct per launch "
-                          "(e.g. $SLURM_NODEID)")
+        raise LaunchError(
+            "--lighthouse needs --replica-group N: this launch's group id, distinct per launch (e.g. $SLURM_NODEID)"
+        )
     if not 0 <= options.replica_group <= MAX_GROUP_ID:
         raise LaunchError(f"--replica-group {options.replica_group} must be between 0 and {MAX_GROUP_ID}")
     if options.replica_groups != 1:
-        raise LaunchError("--replica-groups needs a Lighthouse of its own (no --lighthouse): with --lighthouse "
-                          "each launch is one group; start one launch per group")
+        raise LaunchError(
+            "--replica-groups needs a Lighthouse of its own (no --lighthouse): with --lighthouse "
+            "each launch is one group; start one launch per group"
+        )
     if not _is_loopback(host) and (options.node_addr is None or _is_loopback(options.node_addr)):
         raise LaunchError(
             f"--lighthouse {options.lighthouse} is on another host: pass --node-addr, this node's address that "
@@ -138,8 +143,10 @@ def launch_in_place(options: LaunchOptions) -> int:
 def _print_dry_run(options: LaunchOptions, groups: list[LaunchOptions]) -> None:
     lighthouse = options.lighthouse or f"{LOOPBACK}:PORT"
     if options.lighthouse is None:
-        print(f"# a Lighthouse on {LOOPBACK}, a free port (PORT), min replicas {DEFAULTS.min_replicas}, heartbeat "
-              f"timeout {DEFAULTS.heartbeat_timeout_ms} ms, for the job's lifetime; one launch per group:")
+        print(
+            f"# a Lighthouse on {LOOPBACK}, a free port (PORT), min replicas {DEFAULTS.min_replicas}, heartbeat "
+            f"timeout {DEFAULTS.heartbeat_timeout_ms} ms, for the job's lifetime; one launch per group:"
+        )
     for group in groups:
         env, argv = group_command(group, lighthouse)
         print(f"# replica group {group.replica_group}")
@@ -168,8 +175,9 @@ def _run_local_job(options: LaunchOptions, groups: list[LaunchOptions]) -> int:
     try:
         for group in groups:
             argv = to_argv(dataclasses.replace(group, lighthouse=lighthouse))
-            procs.append(subprocess.Popen([sys.executable, "-m", "ddptrain", "launch", *argv], env=env,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "ddptrain", "launch", *argv], env=env, start_new_session=True)
+            )
         codes = [_wait_group(proc, group) for proc, group in zip(procs, groups, strict=True)]
     finally:
         for sig, handler in previous.items():

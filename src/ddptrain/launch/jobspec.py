@@ -69,11 +69,15 @@ class JobSpec:
         if self.fault_tolerance is None:
             return
         if min_nodes is not None:
-            raise ConfigError(f"--min-nodes is for the restart mode: with --fault-tolerance torchft any {self.node} "
-                              "may be lost and the others train on")
+            raise ConfigError(
+                f"--min-nodes is for the restart mode: with --fault-tolerance torchft any {self.node} "
+                "may be lost and the others train on"
+            )
         if rendezvous is not None:
-            raise ConfigError(f"{flag} is for the restart mode: with --fault-tolerance torchft each {self.node}'s ranks "
-                              f"meet on their {self.node} and the {self.node}s meet at the Lighthouse")
+            raise ConfigError(
+                f"{flag} is for the restart mode: with --fault-tolerance torchft each {self.node}'s ranks "
+                f"meet on their {self.node} and the {self.node}s meet at the Lighthouse"
+            )
 
     def worker_stop_s(self) -> int:
         """Seconds the workers get after a stop signal (launch --shutdown-timeout): finish a step, commit."""
