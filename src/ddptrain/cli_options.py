@@ -161,5 +161,5 @@ def to_argv(options: Any) -> list[str]:
         elif isinstance(value, bool):
             argv += [_flag(field)] if value else []
         else:
-            argv += [_flag(field), str(value)]
+            argv.append(f"{_flag(field)}={value}")  # one word: a value starting with '-' stays a value
     return [*argv, "--", *remainder] if remainder else argv

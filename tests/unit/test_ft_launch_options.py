@@ -135,7 +135,7 @@ words = st.text(st.characters(codec="utf-8", exclude_characters="\0"), min_size=
     start=st.sampled_from(["preloaded", "exec"]),
     lighthouse=st.none() | st.just("10.0.0.1:29510"),
     group=st.none() | st.integers(0, 99),
-    node_addr=st.none() | words.filter(lambda w: not w.startswith("-")),
+    node_addr=st.none() | words,
     command=st.lists(words, min_size=1, max_size=4),
 )
 def test_the_command_line_a_group_is_handed_reads_back_as_its_options(

@@ -175,9 +175,12 @@ def _run_local_job(options: LaunchOptions, groups: list[LaunchOptions]) -> int:
     try:
         for group in groups:
             argv = to_argv(dataclasses.replace(group, lighthouse=lighthouse))
-            procs.append(
-                subprocess.Popen([sys.executable, "-m", "ddptrain", "launch", *argv], env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ddptrain", "launch", *argv], env=env, start_new_session=True
             )
+            procs.append(proc)
+            if first:  # a stop signal came while the groups were being started: this one stops too
+                proc.send_signal(first[0])
         codes = [_wait_group(proc, group) for proc, group in zip(procs, groups, strict=True)]
     finally:
         for sig, handler in previous.items():
