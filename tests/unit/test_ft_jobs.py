@@ -19,7 +19,9 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from kubeflow_operator import injected_env, schema_errors, webhook_errors
-from test_k8s_manifest_inputs import hostile_text, kubelet_expand, unscriptable
+from test_job_script_inputs import STUB_PYTHON, assert_refused, files_under, hostile_text, slurm, workspace
+from test_k8s_manifest_inputs import hostile_text as k8s_hostile_text
+from test_k8s_manifest_inputs import kubelet_expand, unscriptable
 
 from ddptrain.cli import main
 
@@ -185,7 +187,7 @@ def test_k8s_refuses_what_the_in_place_mode_cannot_use(
 
 
 @settings(max_examples=30, deadline=None)
-@given(image=hostile_text, namespace=hostile_text, priority=hostile_text)
+@given(image=k8s_hostile_text, namespace=k8s_hostile_text, priority=k8s_hostile_text)
 def test_k8s_lighthouse_values_are_refused_or_carried_through(image: str, namespace: str, priority: str) -> None:
     values = {"--image": f"reg.example/{image}", "--namespace": namespace, "--priority-class": priority}
     out, err = io.StringIO(), io.StringIO()
@@ -200,3 +202,58 @@ def test_k8s_lighthouse_values_are_refused_or_carried_through(image: str, namesp
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == values["--image"] and pod["priorityClassName"] == priority
     assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == namespace
+
+
+# srun on the stub cluster: the training step (`bash -c CMD`) runs its command; the Lighthouse step
+# (`srun OPTIONS PYTHON -m ddptrain lighthouse ...`) runs its interpreter with ARGV_RECORD pointed elsewhere.
+STUB_SRUN_FT = """#!/bin/bash
+while [ "$#" -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+if [ "$1" = bash ]; then exec "$@"; fi
+ARGV_RECORD="$LIGHTHOUSE_RECORD" exec "$@"
+"""
+
+
+@settings(max_examples=25, deadline=None)
+@given(folder=hostile_text.filter(lambda s: "/" not in s))
+def test_any_interpreter_path_runs_the_lighthouse_as_one_word(folder: str) -> None:
+    with workspace() as root:
+        (root / "bin" / "srun").write_text(STUB_SRUN_FT)
+        python = root / folder / "python"
+        before = files_under(root) | {root / "cfg.yaml"}
+        if not unscriptable(folder):
+            python.parent.mkdir(exist_ok=True)
+            python.write_text(STUB_PYTHON)
+            python.chmod(0o755)
+            before = files_under(root) | {root / "cfg.yaml"}
+        rc, err = job_script(root, "--python", str(python), *FT, "--out", "job.sbatch")
+        if unscriptable(folder):
+            assert_refused(rc, err, "--python", root, before)
+            return
+        assert rc == 0, err
+        record, lighthouse = root / "argv", root / "lighthouse-argv"
+        env = {
+            "PATH": f"{root / 'bin'}:/usr/bin:/bin",
+            **{"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1", "SLURMD_NODENAME": "node1"},
+            **{"ARGV_RECORD": str(record), "LIGHTHOUSE_RECORD": str(lighthouse), "SLURM_NODEID": "0"},
+        }
+        proc = subprocess.run(["bash", str(root / "job.sbatch")], capture_output=True, text=True, env=env, timeout=30)
+        assert proc.returncode == 0 and "INJECTED" not in proc.stdout + proc.stderr, proc
+        argv = record.read_bytes().decode().split("\0")[:-1]
+        assert (
+            argv[argv.index("--replica-group") + 1] == "0" and argv[argv.index("--lighthouse") + 1] == "10.0.0.7:10042"
+        )
+        deadline = time.monotonic() + 10  # the Lighthouse step runs beside the training step: it may come second
+        while not lighthouse.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lighthouse.read_bytes().decode().split("\0")[:-1] == [
+            "-m",
+            "ddptrain",
+            "lighthouse",
+            "--bind",
+            "10.0.0.7:10042",
+        ]
+
+
+def job_script(root: Path, *args: str) -> tuple[int, str]:
+    """`ddptrain slurm` in-process from the workspace, with a batch that splits over one group or two."""
+    return slurm(root, {"name": "r", "dir": "run"}, "--nodes", "2", *BATCH, *args)

@@ -31,7 +31,9 @@ keep_lighthouse() {{
         lighthouse_step=$!
         wait "$lighthouse_step"
         echo "ddptrain-slurm: the Lighthouse stopped (exit $?) at $(date -u +%FT%T.%3N%:z); restarting it on $LIGHTHOUSE"
-        sleep 2
+        sleep 2 &
+        lighthouse_step=$!  # a wait the TERM trap can cut short, so that the job's end is not held up
+        wait "$lighthouse_step"
     done
 }}
 keep_lighthouse &
