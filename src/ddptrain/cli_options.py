@@ -140,3 +140,26 @@ def options_type(command: Callable[[T], int]) -> type[T]:
     hints = typing.get_type_hints(command)
     (name,) = (name for name in hints if name != "return")
     return hints[name]  # type: ignore[no-any-return]
+
+
+def to_argv(options: Any) -> list[str]:
+    """The command line that `from_args` reads back as `options`: each option that differs from its default.
+
+    For flag options and the `--` remainder only (what `ddptrain launch` passes to the launches it starts).
+    """
+    argv: list[str] = []
+    remainder: tuple[str, ...] = ()
+    for field in dataclasses.fields(options):
+        meta = field.metadata.get(_META)
+        value = getattr(options, field.name)
+        if meta is None or value == field.default:
+            continue
+        if meta["remainder"]:
+            remainder = tuple(value)
+        elif meta["positional"] or meta["repeat"]:
+            raise TypeError(f"to_argv does not write {field.name} (positional or repeated)")
+        elif isinstance(value, bool):
+            argv += [_flag(field)] if value else []
+        else:
+            argv.append(f"{_flag(field)}={value}")  # one word: a value starting with '-' stays a value
+    return [*argv, "--", *remainder] if remainder else argv

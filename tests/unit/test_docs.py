@@ -172,7 +172,8 @@ def check_runs_and_prints_documents(command: str, tmp: Path) -> None:
     rc, out, err = _ddptrain(argv, tmp)
     assert rc == 0, err
     if argv[0] == "k8s":
-        assert [d["kind"] for d in yaml.safe_load_all(out)] == ["ConfigMap", "PyTorchJob"]
+        lighthouse = ["Deployment", "Service"] if "--fault-tolerance" in argv else []
+        assert [d["kind"] for d in yaml.safe_load_all(out)] == ["ConfigMap", *lighthouse, "PyTorchJob"]
     else:
         assert out.startswith("wrote ") and out.strip().endswith("job.sbatch")
 
@@ -188,6 +189,22 @@ def check_launch_dry_run(command: str, tmp: Path) -> None:
     assert rc == 0, err
     nnodes = argv[argv.index("--nnodes") + 1] if "--nnodes" in argv else "1"
     assert f" torchrun --nnodes {nnodes}" in out.splitlines()[0] and "--rdzv-endpoint" in out
+
+
+def check_in_place_dry_run(command: str, tmp: Path) -> None:
+    """An in-place launch line is valid: its --dry-run prints one torchrun line per replica group, each with
+    the group's id and the Lighthouse the command names (or the one it starts)."""
+    argv = shlex.split(command)[1:]
+    (tmp / "cfg.yaml").write_text("run:\n  name: docs\n")
+    argv.insert(argv.index("--"), "--dry-run")
+    rc, out, err = _ddptrain(argv, tmp)
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if " torchrun --nnodes 1 " in line]
+    lighthouse = argv[argv.index("--lighthouse") + 1] if "--lighthouse" in argv else "127.0.0.1:PORT"
+    ids = [argv[argv.index("--replica-group") + 1]] if "--replica-group" in argv else ["0", "1"]
+    assert len(lines) == len(ids), out
+    for line, group in zip(lines, ids, strict=True):
+        assert f"TORCHFT_LIGHTHOUSE=http://{lighthouse} DDPTRAIN_REPLICA_GROUP={group} torchrun" in line
 
 
 def check_error_line(command: str, tmp: Path) -> None:
@@ -292,6 +309,12 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain launch --nnodes 2 ", check_launch_dry_run),
     (r"^ddptrain launch --nproc-per-node 2 -- train run\.name=two-ranks$", check_launch_dry_run),
     (r"^ddptrain launch --nnodes 2:3 --rdzv-backend etcd-v2 ", check_launch_dry_run),
+    (r"^ddptrain launch --fault-tolerance torchft ", check_in_place_dry_run),
+    (r"^ddptrain lighthouse --bind ", "serves until stopped: tests/dist/test_lighthouse.py starts and stops one"),
+    (
+        r"^ddptrain (slurm|k8s) -c examples/gpt-small\.yaml .* --fault-tolerance torchft",
+        check_runs_and_prints_documents,
+    ),
     (
         r"^ddptrain doctor --etcd 10\.0\.0\.11:2379,",
         "needs etcd members: tests/cluster/test_etcd_rendezvous.py runs doctor --etcd against real ones",

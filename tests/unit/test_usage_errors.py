@@ -20,6 +20,8 @@ CASES = [
     (["launch", "--nnodes"], "ddptrain launch", "argument --nnodes: expected one argument"),
     (["launch", "--worker-start", "nope"], "ddptrain launch", "argument --worker-start: invalid choice: 'nope'"),
     (["launch", "--rdzv-timeout", "1e9999"], "ddptrain launch", "argument --rdzv-timeout: invalid int value"),
+    (["launch", "--fault-tolerance", "tf"], "ddptrain launch", "argument --fault-tolerance: invalid choice: 'tf'"),
+    (["launch", "--replica-group", "a"], "ddptrain launch", "argument --replica-group: invalid int value: 'a'"),
     (["report"], "ddptrain report", "the following arguments are required: run_dir"),
     (["doctor", "--timeout", "x"], "ddptrain doctor", "argument --timeout: invalid float value: 'x'"),
     (["doctor", "--backend", "mpi"], "ddptrain doctor", "argument --backend: invalid choice: 'mpi'"),

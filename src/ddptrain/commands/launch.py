@@ -9,6 +9,7 @@ from ddptrain.errors import EXIT_FAILURE
 from ddptrain.etcd_endpoints import parse_endpoints, require_client
 from ddptrain.launch.agent import say
 from ddptrain.launch.etcd_rdzv import no_healthy_member
+from ddptrain.launch.ft_launch import check_ft_options, launch_in_place
 from ddptrain.launch.launcher import run_job
 from ddptrain.launch.options import EXIT_OK, LaunchOptions
 from ddptrain.launch.torch_support import check_torch
@@ -22,8 +23,11 @@ def launch(options: LaunchOptions) -> int:
     """
     check_torch()
     options.check_exit_code()
+    check_ft_options(options)
     # torchrun reads every PET_<FLAG> as a flag: stale ones join old jobs, so the command line decides.
     inherited = {k: os.environ.pop(k) for k in sorted(os.environ) if k.startswith("PET_")}
+    if options.fault_tolerance is not None:
+        return launch_in_place(options)  # a scheduler's PET_NNODES counts the groups there: nothing to warn of
     env, argv = torchrun_command(options)
     note = workers_here(options.nproc_per_node)[1]  # said once the launch goes ahead: a refusal is one line
     if options.dry_run:

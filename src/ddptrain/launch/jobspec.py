@@ -45,6 +45,12 @@ class JobSpec:
     nodes: int = option(1, "{node}s (one `ddptrain launch` each)")
     gpus_per_node: int = option(0, "GPUs per {node} (0: CPU only)")
     nproc_per_node: int | None = option(None, "ranks per {node} (default: --gpus-per-node, else 1)", parse=int)
+    fault_tolerance: str | None = option(
+        None,
+        "torchft: in-place recovery (docs/multinode.md): each {node} is a replica group, a lost one leaves the "
+        "others training; a Lighthouse runs beside the job",
+        choices=("torchft",),
+    )
     step_s: float = option(30.0, "longest optimizer step, for the stop window", flag="--step-seconds")
     save_s: float = option(60.0, "time to commit one checkpoint, for the stop window", flag="--save-seconds")
 
@@ -56,6 +62,22 @@ class JobSpec:
     def load_config(self) -> Config:
         """The config the job will train with (checked: a restart must resume)."""
         return load_job_config(self.config, self.overrides)
+
+    def check_fault_tolerance(self, min_nodes: int | None, rendezvous: str | None, flag: str) -> None:
+        """Refuse what the in-place mode has no use for: an elastic minimum or a rendezvous service (the groups'
+        membership is torchft's; each launch meets only its own ranks)."""
+        if self.fault_tolerance is None:
+            return
+        if min_nodes is not None:
+            raise ConfigError(
+                f"--min-nodes is for the restart mode: with --fault-tolerance torchft any {self.node} "
+                "may be lost and the others train on"
+            )
+        if rendezvous is not None:
+            raise ConfigError(
+                f"{flag} is for the restart mode: with --fault-tolerance torchft each {self.node}'s ranks "
+                f"meet on their {self.node} and the {self.node}s meet at the Lighthouse"
+            )
 
     def worker_stop_s(self) -> int:
         """Seconds the workers get after a stop signal (launch --shutdown-timeout): finish a step, commit."""
@@ -126,13 +148,18 @@ def launch_argv(
     config_path: str,
     preempted_exit_code: int | None = None,
     rdzv_backend: str | None = None,
+    lighthouse: tuple[str, str] | None = None,
 ) -> list[str]:
     """The `launch ... -- train -c CONFIG` arguments every node of a job runs (after `ddptrain`).
 
     Without an endpoint (one node) the launcher hosts a local rendezvous on a free port; with
-    rdzv_backend etcd-v2 the endpoint is the etcd cluster's members.
+    rdzv_backend etcd-v2 the endpoint is the etcd cluster's members. `lighthouse`: (HOST:PORT, this
+    node's replica group id) of the in-place mode.
     """
-    argv = ["launch", "--nnodes", nnodes, "--nproc-per-node", nproc_per_node]
+    argv = ["launch"]
+    if lighthouse is not None:
+        argv += ["--fault-tolerance", "torchft", "--lighthouse", lighthouse[0], "--replica-group", lighthouse[1]]
+    argv += ["--nnodes", nnodes, "--nproc-per-node", nproc_per_node]
     if rdzv_backend is not None:
         argv += ["--rdzv-backend", rdzv_backend]
     for flag, value in (("--rdzv-endpoint", endpoint), ("--run-id", run_id), ("--node-addr", node_addr)):

@@ -73,6 +73,23 @@ class LaunchOptions:
         "exec: a fresh interpreter per worker, as torchrun does",
         choices=WORKER_STARTS,
     )
+    fault_tolerance: str | None = option(
+        None,
+        "torchft: in-place recovery (docs/multinode.md): this launch's workers are one replica group (or "
+        "--replica-groups) whose loss leaves the other groups training; restarts are per group",
+        choices=("torchft",),
+    )
+    lighthouse: str | None = option(
+        None,
+        "with --fault-tolerance torchft: HOST:PORT of the job's Lighthouse (`ddptrain lighthouse`); "
+        "without it a one-node job starts its own on 127.0.0.1",
+    )
+    replica_group: int | None = option(
+        None, "with --lighthouse: this launch's replica group id, distinct per launch (e.g. $SLURM_NODEID)", parse=int
+    )
+    replica_groups: int = option(
+        1, "with --fault-tolerance torchft and no --lighthouse: replica groups to split this node's workers into"
+    )
     dry_run: bool = option(False, "print the equivalent torchrun command and exit")
     worker_command: tuple[str, ...] = option(
         (), "after --: the ddptrain command each worker runs, e.g. train -c cfg.yaml", remainder=True

@@ -38,6 +38,7 @@ from ddptrain.launch.jobspec import (
 )
 from ddptrain.launch.options import LaunchOptions
 from ddptrain.launch.quantities import slurm_mem_mb
+from ddptrain.launch.slurm_lighthouse import lighthouse_section
 from ddptrain.run_folder import config_file, slurm_dir
 from ddptrain.safe_files import ensure_dir, open_new_no_follow, write_text_replace
 
@@ -74,7 +75,10 @@ class SlurmJob(JobSpec):
     max_requeues: int = option(3, "requeues after crashes (preemptions are not counted)")
     max_restarts: int = option(LaunchOptions.max_restarts, "in-job worker-group restarts per launch (torchrun)")
     rdzv_port: int | None = option(
-        None, f"rendezvous port on the first node (default {PORT_BASE} + job id mod {PORT_SPAN})", parse=int
+        None,
+        f"rendezvous port on the first node, the Lighthouse's with --fault-tolerance torchft (default {PORT_BASE} "
+        f"+ job id mod {PORT_SPAN})",
+        parse=int,
     )
     python: str = option(sys.executable, "interpreter on the nodes (default: this one)")
     extra_sbatch: tuple[str, ...] = option(
@@ -112,13 +116,14 @@ class SlurmJob(JobSpec):
         if not 1 <= self.min_count() <= self.nodes:
             raise ConfigError(f"--min-nodes {self.min_nodes} must be between 1 and --nodes {self.nodes}")
         etcd_endpoints("--etcd-endpoints", self.etcd_endpoints)
+        self.check_fault_tolerance(self.min_nodes, self.etcd_endpoints, "--etcd-endpoints")
         if self.gpus_per_node < 0:
             raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if self.cpus_per_node is not None and self.cpus_per_node < 1:
             raise ConfigError(f"--cpus-per-node must be >= 1, got {self.cpus_per_node}")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node}")
-        self.check_ranks(cfg, self.min_count())
+        self.check_ranks(cfg, 1 if self.fault_tolerance else self.min_count())  # in place: down to one group
         if self.cpus() < self.procs:
             raise ConfigError(f"--cpus-per-node {self.cpus()} is fewer than the {self.procs} ranks per node")
         if self.mem != "0":
@@ -245,7 +250,7 @@ def _directives(cfg: Config, job: SlurmJob, workdir: Path) -> list[str]:
         f"--signal=B:USR1@{job.signal_s}",
         "--requeue",
     ]
-    if job.min_count() < job.nodes:
+    if job.min_count() < job.nodes or job.fault_tolerance:
         directives.append("--no-kill")  # a failed node leaves the others running (the launchers go on without it)
     directives += [sbatch_value("--sbatch-arg", arg) for arg in job.extra_sbatch]
     return directives
@@ -257,16 +262,18 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     check_config_texts(cfg)
     directives = _directives(cfg, job, workdir)
     etcd = etcd_endpoints("--etcd-endpoints", job.etcd_endpoints)
+    in_place = job.fault_tolerance is not None
     argv = launch_argv(
-        nnodes=f"{job.min_count()}:{job.nodes}" if job.min_count() < job.nodes else str(job.nodes),
+        nnodes="1" if in_place else f"{job.min_count()}:{job.nodes}" if job.min_count() < job.nodes else str(job.nodes),
         nproc_per_node=str(job.procs),
-        endpoint="$RDZV_ENDPOINT",
-        run_id="$RDZV_ID",
+        endpoint=None if in_place else "$RDZV_ENDPOINT",
+        run_id=None if in_place else "$RDZV_ID",
         node_addr="$addr",
         max_restarts=job.max_restarts,
         shutdown_s=job.worker_stop_s(),
         config_path=str(config_path),
         rdzv_backend=ETCD_BACKEND if etcd else None,
+        lighthouse=("$LIGHTHOUSE", "$SLURM_NODEID") if in_place else None,
     )
     paths = node_paths(cfg, job, config_path, workdir)
     node_cmd = (
@@ -278,6 +285,8 @@ def render_script(cfg: Config, job: SlurmJob, config_path: Path, workdir: Path) 
     header = "\n".join(f"#SBATCH {d}" for d in directives)
     port = str(job.rdzv_port) if job.rdzv_port else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
     rendezvous = _ETCD.format(endpoints=shlex.quote(etcd)) if etcd else _FIRST_NODE.format(port=port)
+    if in_place:
+        rendezvous = lighthouse_section(job.python, port)
     return _TEMPLATE.format(
         header=header,
         shared="\n".join(f"#   {what}: {path}" for what, path in paths.items()),
