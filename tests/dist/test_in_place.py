@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from helpers import env_for_subprocess, one_error_line, run_ddptrain
 
+pytestmark = pytest.mark.dist
 pytest.importorskip("torchft")
 
 TOY = [
@@ -136,3 +137,40 @@ def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_chec
     steps = [r["step"] for r in records(run_dir) if r["kind"] == "train"]
     assert steps[-1] == 40  # ... from the newest durable checkpoint to the end
     assert not [e for e in events if e.get("event") == "heal" and e["verified"]]
+
+
+@pytest.mark.timeout(150)
+def test_a_lighthouse_restarted_at_its_address_pauses_the_groups_and_they_go_on(tmp_path: Path) -> None:
+    run_dir, address = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
+    lighthouse = [sys.executable, "-m", "ddptrain", "lighthouse", "--bind", address]
+    logs = [open(tmp_path / f"{name}.log", "wb") for name in ("lighthouse", "group0", "group1", "lighthouse2")]
+    first = subprocess.Popen(lighthouse, env=env_for_subprocess(), stdout=logs[0], stderr=subprocess.STDOUT)
+    time.sleep(1.5)
+    groups = [
+        subprocess.Popen(argv, env=ft_env(g, address), stdout=logs[g + 1], stderr=subprocess.STDOUT) for g in (0, 1)
+    ]
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 90
+        while not any(r.get("step", 0) >= 8 for r in records(run_dir) if r["kind"] == "train"):
+            assert time.monotonic() < deadline, (tmp_path / "group0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        first.kill()
+        first.wait(timeout=10)
+        lost_at = time.time()
+        time.sleep(2.0)
+        second = subprocess.Popen(lighthouse, env=env_for_subprocess(), stdout=logs[3], stderr=subprocess.STDOUT)
+        assert [g.wait(timeout=100) for g in groups] == [0, 0], (tmp_path / "group0.log").read_text()[-3000:]
+    finally:
+        for proc in (first, second, *groups):
+            if proc is not None:
+                proc.kill()
+        for f in logs:
+            f.close()
+    steps = [r for r in records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 41))  # no step lost, none repeated: the groups kept their state
+    resumed = next(r for r in steps if r["time"] > lost_at)
+    assert resumed["world_size"] == 2
+    assert "asking the Lighthouse again" in (tmp_path / "group0.log").read_text()
+    print(f"MEASURED Lighthouse lost for 2 s: the groups paused {resumed['time'] - lost_at:.1f} s")

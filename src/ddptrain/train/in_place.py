@@ -155,10 +155,12 @@ def _manager_server_bound(host: str) -> Iterator[None]:
 class InPlaceSession:
     """This rank's share of its replica group's torchft Manager. `start` (a collective in the group) makes it."""
 
-    def __init__(self, env: FaultToleranceEnv, ctx: DistContext, timeout_s: float, quorum_timeout_s: float) -> None:
+    def __init__(self, env: FaultToleranceEnv, ctx: DistContext, timeout_s: float, outage_s: float) -> None:
+        """timeout_s: one collective, vote, transfer or quorum; outage_s: how long quorums are retried while the
+        Lighthouse is away (the job pauses, then this group fails)."""
         self.env, self.ctx = env, ctx
         self.timeout = timedelta(seconds=timeout_s)
-        self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
+        self.outage_s = outage_s
         self.manager: Any = None
         self.pg: Any = None
         self._store: Any = None
@@ -196,7 +198,7 @@ class InPlaceSession:
                 min_replica_size=1,
                 use_async_quorum=False,  # the step's data split depends on the quorum: know it first
                 timeout=self.timeout,
-                quorum_timeout=self.quorum_timeout,
+                quorum_timeout=self.timeout,
                 connect_timeout=self.timeout,
                 rank=self.ctx.rank,
                 world_size=self.ctx.world_size,
@@ -245,11 +247,15 @@ class InPlaceSession:
         self._load_fn(state)
         self._heal = Heal(0.0, size, True)
 
-    def quorum(self, committed_step: int) -> View:
-        """This step's quorum (healing this group from a peer when it is behind)."""
+    def quorum(self, committed_step: int, still_waiting: Callable[[str], None]) -> View:
+        """This step's quorum (healing this group from a peer when it is behind).
+
+        A quorum that fails (the Lighthouse lost, or restarting) is asked again until the Lighthouse answers,
+        for up to `outage_s`; still_waiting(why) is called before each new attempt.
+        """
         self._heal = None
         t0 = time.perf_counter()
-        self.manager.start_quorum(timeout=self.quorum_timeout)
+        self._start_quorum(still_waiting)
         heal = self._heal
         if heal is not None:
             heal = Heal(time.perf_counter() - t0, heal.bytes, heal.verified, heal.error)
@@ -258,6 +264,25 @@ class InPlaceSession:
                 self.manager.load_state_dict({"step": committed_step, "batches_committed": 0})
         rank = self.manager.participating_rank()
         return View(rank if rank is not None else -1, self.manager.num_participants(), heal)
+
+    def _start_quorum(self, still_waiting: Callable[[str], None]) -> None:
+        give_up = time.monotonic() + self.outage_s
+        while True:
+            try:
+                self.manager.start_quorum(timeout=self.timeout)
+                return
+            except Exception as e:  # torchft raises the quorum's own failure: a gRPC error, a timeout
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                if time.monotonic() > give_up:
+                    raise RuntimeError(
+                        f"no quorum for {self.outage_s:g} s (dist.timeout_s) from the Lighthouse at "
+                        f"{self.env.lighthouse}: {why}"
+                    ) from None
+                # torchft 0.2.0 keeps the failed quorum and raises it again from every later start_quorum; a
+                # restarted Lighthouse would never be asked. Dropping it lets the next attempt ask anew.
+                self.manager._quorum_future = None
+                still_waiting(why)
+                time.sleep(0.5)
 
     def errored(self) -> bool:
         """True when a collective of this step failed (the step will be discarded)."""

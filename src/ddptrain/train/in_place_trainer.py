@@ -82,6 +82,7 @@ class InPlaceTrainer(Trainer):
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
         self.stop_request: StopRequest | None = None
+        self.watchdog: Triage | None = None
 
     def setup(self) -> None:
         """All ranks of the group: the stop agreement's group; the session (started by the run) serves our state."""
@@ -113,7 +114,7 @@ class InPlaceTrainer(Trainer):
         nothing: no update, the data position stays)."""
         t0 = time.perf_counter()
         while True:
-            view = self.session.quorum(self.step)
+            view = self.session.quorum(self.step, self.waiting_for_quorum)
             if view.heal is not None:
                 self.record_heal(view)
             elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
@@ -130,6 +131,12 @@ class InPlaceTrainer(Trainer):
             level = self.stop_request.level if self.stop_request is not None else NO_STOP
             if level != NO_STOP:  # a stop signal while steps fail: leave now, at the last committed step
                 raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
+
+    def waiting_for_quorum(self, why: str) -> None:
+        """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own."""
+        log.warning("no quorum for step %d (%s); asking the Lighthouse again", self.step + 1, why)
+        if self.watchdog is not None:
+            self.watchdog.arm(self.step + 1)
 
     def attempt(self, view: View, t0: float) -> StepResult | None:
         """Train this rank's share of the next global batch; the StepResult when the step was committed."""
@@ -253,7 +260,7 @@ class InPlaceTrainer(Trainer):
         timeline: RecoveryTimeline | None = None,
     ) -> None:
         """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""
-        self.stop_request = stop_request
+        self.stop_request, self.watchdog = stop_request, watchdog
         super().fit(stop_request, watchdog, timeline)
 
     # ---- what only the writing group does ------------------------------------------------------------
