@@ -7,7 +7,9 @@ group's ranks doing DDP among themselves and the groups all-reducing through tor
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 from ddptrain.endpoints import host_port
@@ -51,3 +53,13 @@ def read_ft_env() -> FaultToleranceEnv | None:
     if inject is not None and inject not in INJECTIONS:
         raise LaunchError(f"{INJECT_ENV}={inject!r} is not a fault drill; use one of {', '.join(INJECTIONS)}")
     return FaultToleranceEnv(f"http://{address}", int(group), os.environ.get(BIND_ENV, "127.0.0.1"), inject)
+
+
+def quiet_torchft() -> None:
+    """Before torchft is imported: its Rust side logs every quorum and commit at INFO (a line per step and group),
+    its manager a traceback per failed collective, and its checkpoint transport warns on every heal. ddptrain
+    says each of those events in one line of its own (and records them in metrics.jsonl); RUST_LOG=info and
+    the "torchft" logger's level bring torchft's back."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing\.")

@@ -201,7 +201,8 @@ def check_in_place_dry_run(command: str, tmp: Path) -> None:
     assert rc == 0, err
     lines = [line for line in out.splitlines() if " torchrun --nnodes 1 " in line]
     lighthouse = argv[argv.index("--lighthouse") + 1] if "--lighthouse" in argv else "127.0.0.1:PORT"
-    ids = [argv[argv.index("--replica-group") + 1]] if "--replica-group" in argv else ["0", "1"]
+    groups = int(argv[argv.index("--replica-groups") + 1]) if "--replica-groups" in argv else 1
+    ids = [argv[argv.index("--replica-group") + 1]] if "--replica-group" in argv else [str(g) for g in range(groups)]
     assert len(lines) == len(ids), out
     for line, group in zip(lines, ids, strict=True):
         assert f"TORCHFT_LIGHTHOUSE=http://{lighthouse} DDPTRAIN_REPLICA_GROUP={group} torchrun" in line

@@ -13,6 +13,7 @@ from typing import Any
 
 from ddptrain.endpoints import Endpoint, format_endpoint, host_port, split_host_port
 from ddptrain.errors import LaunchError, UserError
+from ddptrain.ft_env import quiet_torchft
 
 ALL_INTERFACES = ("0.0.0.0", "::", "*", "")
 FT_EXTRA = "pip install 'ddptrain[ft]'"
@@ -45,6 +46,7 @@ def serving_endpoint(flag: str, text: str) -> Endpoint:
 
 def require_torchft(what: str) -> None:
     """UserError (exit 2, one line) when torchft, the ft extra, is not installed."""
+    quiet_torchft()
     try:
         import torchft.coordination  # noqa: F401
     except ImportError:

@@ -29,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddptrain.dist import DistContext, broadcast_object, listening_store
 from ddptrain.errors import LaunchError, UserError
-from ddptrain.ft_env import FaultToleranceEnv
+from ddptrain.ft_env import FaultToleranceEnv, quiet_torchft
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,7 @@ class InPlaceSession:
     def start(self) -> None:
         """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager,
         which connects to the Lighthouse (LaunchError, exit 2, when it cannot within dist.ft_timeout_s)."""
-        # torchft's Rust side logs every quorum and commit at INFO: a line per step and group. Warnings still show;
-        # RUST_LOG=info brings the rest back.
-        os.environ.setdefault("RUST_LOG", "warn")
+        quiet_torchft()
         try:
             from torchft.checkpointing.pg_transport import PGTransport
             from torchft.manager import Manager

@@ -211,11 +211,11 @@ class InPlaceTrainer(Trainer):
     def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
         self.writer = view.rank == 0
-        self.metrics.enabled = self.ctx.is_main and self.writer
-        self.certificate.enabled = self.ctx.is_main and self.writer
+        # One group writes the folder for the job (each group's rank 0 still shows its own progress).
+        self.metrics.enabled = self.certificate.enabled = self.ctx.is_main and self.writer
         self.world_size, self.accum = ranks, mine
         members = [int(g) - 1 for g in summed[_FIXED:].tolist()]
-        if members != self.members:
+        if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
             old = set(self.members)
             self.metrics.write(
                 "event",
@@ -227,7 +227,8 @@ class InPlaceTrainer(Trainer):
                 world_size=ranks,
                 discarded_steps=self.discarded,
             )
-            log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
+            if self.metrics.enabled:
+                log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
             self.members = members
         self.discarded = 0
 
@@ -264,6 +265,14 @@ class InPlaceTrainer(Trainer):
         super().fit(stop_request, watchdog, timeline)
 
     # ---- what only the writing group does ------------------------------------------------------------
+
+    def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
+        """The writing group logs the step (loss, progress, certificate, hooks); the others keep its loss only."""
+        if self.writer:
+            super().log_train(mean_loss, steps, seconds, grad_norm)
+        else:
+            self.last_loss = float(mean_loss)
+            self.nonfinite.take()
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The logged loss is already the mean over every rank of the step (step_sum)."""
