@@ -8,13 +8,16 @@ extra_params adds a parameter of that many floats (its gradient is all-reduced l
 to make the all-reduce bigger. Hangs: hang_at / hang_rank sleep hang_s inside that forward (a
 marker file in record_dir, or beside the run, says when); sync_stat all-reduces a statistic over
 the default group in every training forward (as SyncBatchNorm does) and skip_rank skips it at
-forward skip_at. build_blocking_datasets: a dataset whose items block on opening a FIFO nobody
+forward skip_at. The environment variable FAULTY_DIE_IN=eval|save SIGKILLs the process in its first
+evaluation forward, or its first state_dict() (a checkpoint's capture), once it has trained a step
+(one process of a job, unlike the kwargs). build_blocking_datasets: a dataset whose items block on opening a FIFO nobody
 writes (I/O that never completes) on one rank from one item on.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -57,11 +60,17 @@ class FaultyRegressor(nn.Module):
         self.sync_stat, self.skip_at, self.skip_rank = skip
         self.flip = flip
         self.rank = int(os.environ.get("RANK", "0"))
+        self.die_in = os.environ.get("FAULTY_DIE_IN")
         self.forwards = 0
         self.record = None
         if record_dir:
             Path(record_dir).mkdir(parents=True, exist_ok=True)
             self.record = Path(record_dir) / f"params-rank{self.rank}-pid{os.getpid()}.txt"
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.die_in == "save" and self.forwards:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
 
     def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.training and flip_due(*self.flip, self.forwards + 1):  # before autograd saves the weight
@@ -70,6 +79,8 @@ class FaultyRegressor(nn.Module):
         if self.extra is not None:
             loss = loss + 0.0 * self.extra.sum()
         if not self.training:
+            if self.die_in == "eval" and self.forwards:
+                os.kill(os.getpid(), signal.SIGKILL)
             return loss
         self.forwards += 1
         if self.record is not None:

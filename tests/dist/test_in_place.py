@@ -172,3 +172,37 @@ def test_a_lighthouse_restarted_at_its_address_pauses_the_groups_and_they_go_on(
     assert resumed["world_size"] == 2
     assert "asking the Lighthouse again" in (tmp_path / "group0.log").read_text()
     print(f"MEASURED Lighthouse lost for 2 s: the groups paused {resumed['time'] - lost_at:.1f} s")
+
+
+@pytest.mark.timeout(150)
+def test_groups_dying_in_a_save_and_in_an_evaluation_leave_the_last_one_training(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    train = [*TOY, "train.max_steps=20", "train.eval_every=5", "ckpt.every_steps=5", "model.kwargs.step_sleep=0.05"]
+    argv = [sys.executable, "-m", "ddptrain", "train", *train, f"run.dir={run_dir}"]
+    logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(3)]
+    dies = {0: "save", 1: "eval"}  # group 0 writes the folder: it dies capturing its first checkpoint
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=ft_env(g, lighthouse, **({"FAULTY_DIE_IN": dies[g]} if g in dies else {})),
+            stdout=logs[g],
+            stderr=subprocess.STDOUT,
+        )
+        for g in range(3)
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL, 0], (tmp_path / "group2.log").read_text()[-3000:]
+    steps = [r["step"] for r in records(run_dir) if r["kind"] == "train"]
+    assert steps == list(range(1, 21))  # each step committed and logged once, through the change of writer
+    events = [r for r in records(run_dir) if r["kind"] == "event"]
+    last = [e for e in events if e.get("event") == "quorum"][-1]
+    assert last["groups"] == [2] and last["world_size"] == 1
+    assert any(e.get("event") == "checkpoint" and e["step"] == 20 for e in events)  # the survivor saved the end
