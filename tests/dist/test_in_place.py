@@ -206,3 +206,25 @@ def test_groups_dying_in_a_save_and_in_an_evaluation_leave_the_last_one_training
     last = [e for e in events if e.get("event") == "quorum"][-1]
     assert last["groups"] == [2] and last["world_size"] == 1
     assert any(e.get("event") == "checkpoint" and e["step"] == 20 for e in events)  # the survivor saved the end
+
+
+@pytest.mark.timeout(120)
+def test_a_group_started_with_another_recipe_exits_2_and_the_job_goes_on(lighthouse: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
+    logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(2)]
+    procs = [
+        subprocess.Popen([*argv, *(["train.lr=0.01"] if g else [])], env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT)
+        for g in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()
+    assert codes == [0, 2], (tmp_path / "group1.log").read_text()[-2000:]
+    said = (tmp_path / "group1.log").read_text()
+    assert "error: replica group 1 trains another recipe than groups [0]" in said
+    assert [r["step"] for r in records(run_dir) if r["kind"] == "train"] == list(range(1, 41))

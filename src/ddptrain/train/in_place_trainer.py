@@ -13,8 +13,11 @@ certificate, checkpoints. A heal is recorded by the group that healed.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -51,6 +54,19 @@ def check_in_place(cfg: Config) -> None:
         )
 
 
+def recipe_fingerprint(cfg: Config, identity: dict[str, Any]) -> float:
+    """48 bits of the SHA-256 of what must be the same in every group: the model, the training and optimizer
+    settings, the micro-batch, the seed, and the run's identity (the data's content, the model's kind)."""
+    recipe = {
+        "sections": cfg.model_dump(mode="json", include={"model", "train", "optim", "schedule"}),
+        "micro": cfg.data.micro_batch_size,
+        "seed": cfg.run.seed,
+        "identity": identity,
+    }
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).digest()
+    return float(int.from_bytes(digest[:6], "big"))  # exact in float64, as the step's sum carries it
+
+
 def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
     """Micro-batches [lo, hi) of the global batch taken by rank `index` of `ranks` (as even as it gets)."""
     return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
@@ -78,6 +94,7 @@ class InPlaceTrainer(Trainer):
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
         self.session = session
+        self.recipe = recipe_fingerprint(cfg, checkpointer.identity)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
@@ -181,15 +198,17 @@ class InPlaceTrainer(Trainer):
         A group whose heal was refused says so here, so every group discards the step (and it heals again).
         On a step where a group healed, every rank also compares the state's fingerprint with all the others.
         """
-        values = torch.zeros(_FIXED + view.groups, dtype=torch.float64)
+        values = torch.zeros(_FIXED + 2 * view.groups, dtype=torch.float64)
         values[_LOSS] = loss.detach().to("cpu", torch.float64)
         values[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
         if self.ctx.rank == 0:
             values[_HEALED] = 1.0 if view.heal is not None else 0.0
             values[_FIXED + view.rank] = self.group_id + 1
+            values[_FIXED + view.groups + view.rank] = self.recipe
         summed = self.session.sum_over_all_ranks(values)
         if summed is None:
             return None
+        self.check_recipes(summed[_FIXED + view.groups :].tolist(), summed[_FIXED : _FIXED + view.groups].tolist())
         ranks = view.groups * self.ctx.world_size
         if int(summed[_OK]) != ranks:
             self.session.report(f"{ranks - int(summed[_OK])} rank(s) refused the state they healed from")
@@ -200,6 +219,21 @@ class InPlaceTrainer(Trainer):
                 self.session.heal_again()
             return None
         return summed
+
+    def check_recipes(self, recipes: list[float], groups: list[float]) -> None:
+        """Every group must train the same thing: a group whose recipe differs from most groups' stops (exit 2),
+        and the step is discarded (the next quorum goes on without it)."""
+        if len(set(recipes)) == 1:
+            return
+        common = Counter(recipes).most_common(1)[0][0]  # a tie: the lowest-ranked group's recipe wins
+        odd = sorted(int(g) - 1 for g, r in zip(groups, recipes, strict=True) if r != common)
+        if self.recipe != common:
+            raise ConfigError(
+                f"replica group {self.group_id} trains another recipe than groups "
+                f"{sorted(int(g) - 1 for g, r in zip(groups, recipes, strict=True) if r == common)} (model, "
+                "train, optim, schedule, data.micro_batch_size, run.seed or the data differ): start it with the job's config"
+            )
+        self.session.report(f"replica group(s) {odd} train another recipe: they stop")
 
     def states_agree(self, ranks: int) -> bool:
         """Every rank's model and optimizer state hash the same (one sum of fingerprints over all ranks)."""
@@ -214,7 +248,7 @@ class InPlaceTrainer(Trainer):
         # One group writes the folder for the job (each group's rank 0 still shows its own progress).
         self.metrics.enabled = self.certificate.enabled = self.ctx.is_main and self.writer
         self.world_size, self.accum = ranks, mine
-        members = [int(g) - 1 for g in summed[_FIXED:].tolist()]
+        members = [int(g) - 1 for g in summed[_FIXED : _FIXED + view.groups].tolist()]
         if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
             old = set(self.members)
             self.metrics.write(
