@@ -242,7 +242,7 @@ def build_run(
     if in_place is not None:
         check_in_place(cfg)
         session = InPlaceSession(in_place, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
-        session.start()  # reaches the Lighthouse: a refusal comes before anything is written
+        session.reach()  # a Lighthouse that does not answer is refused before anything is written
         trainer_cls, lease_name = (
             functools.partial(InPlaceTrainer, session=session),
             f"{LEASE}.group{in_place.replica_group}",

@@ -99,6 +99,7 @@ class Checkpointer:
         self.ctx = ctx
         self.config = config
         self.identity = identity or {}
+        self.shared = False  # share_folder()
         # Alone (benchmarks, tests) a Checkpointer saves full, replicated state: ckpt.format as under DDP.
         self.writer = writer or checkpoint_format(cfg.format, "ddp")
         self.policy = SavePolicy(cfg)
@@ -125,7 +126,7 @@ class Checkpointer:
         if self.ctx.is_distributed:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
         self.writer.bind(self._group)  # a format with collectives of its own runs them on this group
-        if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
+        if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink() and not self.shared:
             for stale in self.dir.glob(f"{TMP_PREFIX}*"):
                 if self.tag and stale.name.endswith(f".{self.tag}"):
                     continue  # this run's own (none yet at start)
@@ -133,6 +134,11 @@ class Checkpointer:
                     stale.unlink()  # a planted link: remove the link, never what it points at
                 else:
                     shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
+
+    def share_folder(self) -> None:
+        """Before setup(): several replica groups write this folder, each under a lease of its own (the in-place
+        mode), so another tag's temp folder may be a live group's save in progress: setup() leaves them."""
+        self.shared = True
 
     # ---- the policy the Trainer asks ------------------------------------------------------
 

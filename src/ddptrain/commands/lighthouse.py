@@ -8,8 +8,10 @@ job (it has no authentication). It serves until SIGTERM or Ctrl-C.
 
 Defaults, measured on these machines (docs/multinode.md): with 2 groups the Lighthouse refuses a
 quorum of one until the dead group's heartbeat expires, so the heartbeat timeout is the survivors'
-stall: 1 s here (torchft's own default, 5 s, stalled them 5.1 s); the join timeout bounds how long a
-quorum waits for a straggling group before it forms without it.
+stall: 1 s here (torchft's own default, 5 s, stalled them 5.1 s). The join timeout bounds how long a
+quorum waits for a group that heartbeats but has not asked yet (one busy saving, or starting) before it
+forms without it: 5 s, so that groups starting a few seconds apart meet in one quorum instead of
+training apart (a group's Manager starts heartbeating only when it is ready to ask).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class LighthouseSettings:
 
     min_replicas: int = 1
     heartbeat_timeout_ms: int = 1000
-    join_timeout_ms: int = 1000
+    join_timeout_ms: int = 5000
     quorum_tick_ms: int = 100
 
 

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddptrain.dist import DistContext, broadcast_object, listening_store
+from ddptrain.dist import DistContext, broadcast_object, listening_store, probe_store
+from ddptrain.endpoints import host_port
 from ddptrain.errors import LaunchError, UserError
-from ddptrain.ft_env import FaultToleranceEnv, quiet_torchft
+from ddptrain.ft_env import LIGHTHOUSE_ENV, FaultToleranceEnv, quiet_torchft
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +170,32 @@ class InPlaceSession:
         self._heal: Heal | None = None
         self._drill = env.inject
 
-    def start(self) -> None:
-        """All ranks of the group: the group's store (rank 0 serves it on the bind address), then the Manager,
-        which connects to the Lighthouse (LaunchError, exit 2, when it cannot within dist.ft_timeout_s)."""
+    def reach(self) -> None:
+        """Before anything is written: LaunchError (exit 2, one line) when the Lighthouse does not answer a TCP
+        connection within dist.ft_timeout_s, or when torchft is not installed (UserError)."""
         quiet_torchft()
         try:
-            from torchft.checkpointing.pg_transport import PGTransport
-            from torchft.manager import Manager
-            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+            import torchft.manager  # noqa: F401
         except ImportError:
             raise UserError("in-place fault tolerance needs torchft: pip install 'ddptrain[ft]'") from None
+        host, port = host_port(LIGHTHOUSE_ENV, self.env.lighthouse.removeprefix("http://"))
+        why = probe_store(host, port, time.monotonic() + self.timeout.total_seconds(), poll_s=0.2)
+        if why is not None:
+            raise LaunchError(
+                f"cannot reach the Lighthouse at {self.env.lighthouse} within {self.timeout.total_seconds():g} s "
+                f"({why}); start it with `ddptrain lighthouse --bind HOST:PORT` and pass that address"
+            )
+
+    def start(self, step: int, state_fn: StateFn, load_fn: LoadFn) -> None:
+        """All ranks of the group, once the run resumed at `step`: the group's store (rank 0 serves it on the bind
+        address), then the Manager, which heartbeats to the Lighthouse from then on (so a group still loading
+        its checkpoint never holds up the others' quorum). state_fn/load_fn: the live state a donor sends and a
+        joiner loads (after its digest is checked)."""
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self._state_fn, self._load_fn = state_fn, load_fn
         bind = self.env.bind
         port = 0
         if self.ctx.rank == 0:
@@ -191,8 +208,8 @@ class InPlaceSession:
         with _manager_server_bound(bind), _lighthouse_named(self.env.lighthouse, self.timeout):
             self.manager = Manager(
                 pg=self.pg,
-                load_state_dict=None,  # serve() gives them, once the trainer exists
-                state_dict=None,
+                load_state_dict=self._load,
+                state_dict=self._send,
                 min_replica_size=1,
                 use_async_quorum=False,  # the step's data split depends on the quorum: know it first
                 timeout=self.timeout,
@@ -209,14 +226,6 @@ class InPlaceSession:
                 init_sync=False,  # every group builds the same initial weights from run.seed
                 max_retries=20,
             )
-
-    def serve(self, state_fn: StateFn, load_fn: LoadFn) -> None:
-        """The live state a donor sends (state_fn) and a joiner loads (load_fn, after its digest is checked)."""
-        self._state_fn, self._load_fn = state_fn, load_fn
-        self.manager.register_state_dict_fn("training", self._load, self._send)
-
-    def resume_at(self, step: int) -> None:
-        """Join the quorums at the step this group holds (a fresh group: its checkpoint's step, or 0)."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def _send(self) -> dict[str, Any]:

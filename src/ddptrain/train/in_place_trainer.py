@@ -13,11 +13,8 @@ certificate, checkpoints. A heal is recorded by the group that healed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -29,18 +26,18 @@ from ddptrain.config import Config
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.models.loss import to_device
-from ddptrain.observe.digest import named_state, state_digests
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.triage import Triage
+from ddptrain.train.group_agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.in_place import InPlaceSession, View
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
 
 log = logging.getLogger(__name__)
 
-_LOSS, _OK, _HEALED, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks, healed groups, then group ids
-_FINGERPRINT_BITS = 40  # digest words summed over up to 2**12 ranks stay exact in float64
+_LOSS, _OK, _CHECK, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks, groups asking for a state check,
+# then each group's id + 1 and its recipe, in quorum order (one slot per group)
 
 
 def check_in_place(cfg: Config) -> None:
@@ -52,19 +49,6 @@ def check_in_place(cfg: Config) -> None:
             f"in-place fault tolerance cuts the global batch into micro-batches: train.global_batch_size="
             f"{cfg.train.global_batch_size} must be a multiple of data.micro_batch_size={cfg.data.micro_batch_size}"
         )
-
-
-def recipe_fingerprint(cfg: Config, identity: dict[str, Any]) -> float:
-    """48 bits of the SHA-256 of what must be the same in every group: the model, the training and optimizer
-    settings, the micro-batch, the seed, and the run's identity (the data's content, the model's kind)."""
-    recipe = {
-        "sections": cfg.model_dump(mode="json", include={"model", "train", "optim", "schedule"}),
-        "micro": cfg.data.micro_batch_size,
-        "seed": cfg.run.seed,
-        "identity": identity,
-    }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).digest()
-    return float(int.from_bytes(digest[:6], "big"))  # exact in float64, as the step's sum carries it
 
 
 def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
@@ -94,6 +78,7 @@ class InPlaceTrainer(Trainer):
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
         self.session = session
+        checkpointer.share_folder()  # the other groups' saves in progress are not stale
         self.recipe = recipe_fingerprint(cfg, checkpointer.identity)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
@@ -101,14 +86,9 @@ class InPlaceTrainer(Trainer):
         self.stop_request: StopRequest | None = None
         self.watchdog: Triage | None = None
 
-    def setup(self) -> None:
-        """All ranks of the group: the stop agreement's group; the session (started by the run) serves our state."""
-        super().setup()
-        self.session.serve(self.live_state, self.load_live_state)
-
     def after_resume(self) -> None:
-        """Join the quorums at the step this group resumed at."""
-        self.session.resume_at(self.step)
+        """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager)."""
+        self.session.start(self.step, self.live_state, self.load_live_state)
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
@@ -193,54 +173,58 @@ class InPlaceTrainer(Trainer):
         return [to_device(batch, self.ctx.device) for batch in batches]
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
-        """Sum over every rank of the step: the loss, who is healthy, who healed, the group ids in quorum order.
+        """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, the
+        group ids in quorum order and each group's recipe (train/group_agreement.py). None: discard the step.
 
-        A group whose heal was refused says so here, so every group discards the step (and it heals again).
-        On a step where a group healed, every rank also compares the state's fingerprint with all the others.
+        A group whose heal was refused says so here, so every group discards the step (and it heals again). After
+        a heal or a change of membership every group also shows its state's fingerprint: the groups that differ
+        from the lowest-ranked one's heal again from it.
         """
-        values = torch.zeros(_FIXED + 2 * view.groups, dtype=torch.float64)
+        n = view.groups
+        values = torch.zeros(_FIXED + 2 * n, dtype=torch.float64)
         values[_LOSS] = loss.detach().to("cpu", torch.float64)
         values[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
         if self.ctx.rank == 0:
-            values[_HEALED] = 1.0 if view.heal is not None else 0.0
+            values[_CHECK] = 1.0 if view.heal is not None or self.membership_moved(view) else 0.0
             values[_FIXED + view.rank] = self.group_id + 1
-            values[_FIXED + view.groups + view.rank] = self.recipe
+            values[_FIXED + n + view.rank] = self.recipe
         summed = self.session.sum_over_all_ranks(values)
         if summed is None:
             return None
-        self.check_recipes(summed[_FIXED + view.groups :].tolist(), summed[_FIXED : _FIXED + view.groups].tolist())
-        ranks = view.groups * self.ctx.world_size
+        groups = [int(g) - 1 for g in summed[_FIXED : _FIXED + n].tolist()]
+        if odd := check_recipe(summed[_FIXED + n :].tolist(), groups, self.group_id, self.recipe):
+            self.session.report(f"replica group(s) {odd} train another recipe: they stop")
+            return None
+        ranks = n * self.ctx.world_size
         if int(summed[_OK]) != ranks:
             self.session.report(f"{ranks - int(summed[_OK])} rank(s) refused the state they healed from")
             return None
-        if summed[_HEALED] > 0 and not self.states_agree(ranks):
-            self.session.report("the replicas' states differ after a heal")
-            if view.heal is not None:  # this group is the newcomer: it heals again
-                self.session.heal_again()
+        if summed[_CHECK] > 0 and not self.states_agree(view, groups):
             return None
         return summed
 
-    def check_recipes(self, recipes: list[float], groups: list[float]) -> None:
-        """Every group must train the same thing: a group whose recipe differs from most groups' stops (exit 2),
-        and the step is discarded (the next quorum goes on without it)."""
-        if len(set(recipes)) == 1:
-            return
-        common = Counter(recipes).most_common(1)[0][0]  # a tie: the lowest-ranked group's recipe wins
-        odd = sorted(int(g) - 1 for g, r in zip(groups, recipes, strict=True) if r != common)
-        if self.recipe != common:
-            raise ConfigError(
-                f"replica group {self.group_id} trains another recipe than groups "
-                f"{sorted(int(g) - 1 for g, r in zip(groups, recipes, strict=True) if r == common)} (model, "
-                "train, optim, schedule, data.micro_batch_size, run.seed or the data differ): start it with the job's config"
-            )
-        self.session.report(f"replica group(s) {odd} train another recipe: they stop")
+    def membership_moved(self, view: View) -> bool:
+        """Whether this group's place in the quorum is not the one it had at its last commit (it joined, others
+        left or came): then the groups compare their states."""
+        return len(self.members) != view.groups or self.members[view.rank] != self.group_id
 
-    def states_agree(self, ranks: int) -> bool:
-        """Every rank's model and optimizer state hash the same (one sum of fingerprints over all ranks)."""
-        digests = state_digests(named_state(self.model, self.optimizer), self.ctx.device).cpu()
-        mine = (digests & ((1 << _FINGERPRINT_BITS) - 1)).to(torch.float64)
-        summed = self.session.sum_over_all_ranks(mine.clone())
-        return summed is not None and bool(torch.equal(summed, mine * ranks))
+    def states_agree(self, view: View, groups: list[int]) -> bool:
+        """Every group shows its state's fingerprint; those that differ from the lowest-ranked group's heal again."""
+        slots = torch.zeros(view.groups, dtype=torch.float64)
+        if self.ctx.rank == 0:
+            slots[view.rank] = state_fingerprint(self.model, self.optimizer, self.ctx.device)
+        summed = self.session.sum_over_all_ranks(slots)
+        if summed is None:
+            return False
+        odd = differing_states(summed.tolist(), groups)
+        if not odd:
+            return True
+        self.session.report(f"replica group(s) {odd} hold another state than group {groups[0]}")
+        if self.group_id in odd:
+            log.warning("this group's state differs from group %d's: it heals from it", groups[0])
+            self.record_own("state_differs", from_group=groups[0])
+            self.session.heal_again()
+        return False
 
     def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
