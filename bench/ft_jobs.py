@@ -6,7 +6,8 @@ MIN:MAX` per host (torchrun's elastic agent), a killed worker makes every agent 
 workers, which resume from the last checkpoint. `InPlaceJob` is the in-place mode as
 tests/cluster/test_in_place_recovery.py runs it: a Lighthouse on the first host and one plain `ddptrain
 train` process per host as its replica group; the job restarts a killed group as soon as it is reaped,
-as `ddptrain launch --fault-tolerance torchft --max-restarts` does for its own group.
+and a group that exits on its own, as `ddptrain launch --fault-tolerance torchft --max-restarts` does for
+its own group.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class Job:
         """SIGKILL the training process of a random host (None when no host has one right now)."""
         raise NotImplementedError
 
+    def revive(self) -> list[int]:
+        """Restart what died on its own; the hosts restarted (the restart mode's agents do it themselves)."""
+        return []
+
     def close(self) -> None:
         """Kill every process on every host and remove the hosts."""
         self.cluster.close()
@@ -202,6 +207,13 @@ class InPlaceJob(Job):
         started = time.time()
         self.procs[group] = node.start([sys.executable, "-m", "ddptrain", "train", *self.train], env, self.log(group))
         return started
+
+    def revive(self) -> list[int]:
+        """Start again every group that exited on its own (as the launcher's --max-restarts would)."""
+        dead = [g for g, p in self.procs.items() if p.poll() is not None]
+        for group in dead:
+            self.start_group(group)
+        return dead
 
     def kill(self, rng: random.Random) -> Kill | None:
         """SIGKILL a random running group, reap it, start its replacement at once (a launcher's restart)."""

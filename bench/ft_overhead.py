@@ -7,14 +7,15 @@ Variants, each a whole `ddptrain train` job per round, in alternating order (A B
 A round's step time is the median interval between consecutive steps' records after the first
 `SKIP` (log.every_steps=1 in both: a record per step); the figure is the per-round ratio in-place /
 ddp, for the default model and for the tiny model (where the loop's own costs show). One last
-in-place run of the default model has group 0 under cProfile: the per-step milliseconds of the
-in-place session's calls (quorum, cross-group gradient sum, stats sum, commit vote) say where a cost
-above the target goes.
+in-place run of each model times group 0's session calls (bench/ft_session_timer.py): the median
+milliseconds per step of the quorum, the cross-group gradient sum, the stats sum and the commit vote
+say where a cost above the target goes (the gradient sum replaces DDP's own all-reduce; the rest is
+what the mode adds).
 """
 
 from __future__ import annotations
 
-import pstats
+import json
 import shutil
 import statistics
 import subprocess
@@ -30,8 +31,6 @@ from bench.ft_jobs import child_env, read_jsonl
 LIGHTHOUSE = "127.0.0.1:29520"
 RUN = ["train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=1", "dist.watchdog=false"]
 SKIP = 5  # warm-up steps left out of the median
-# The in-place session's calls (train/in_place.py), as cProfile names them: what the mode adds to a step.
-SESSION_CALLS = ("quorum", "sum_gradients", "sum_over_all_ranks", "should_commit")
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -46,7 +45,7 @@ def _ddp(run_dir: Path, args: list[str], log: Path) -> None:
         raise RuntimeError(f"plain DDP run failed: {log.read_text()[-2000:]}")
 
 
-def _in_place(run_dir: Path, args: list[str], log: Path, profile: Path | None = None) -> None:
+def _in_place(run_dir: Path, args: list[str], log: Path, timings: Path | None = None) -> None:
     lighthouse = _start([sys.executable, "-m", "ddptrain", "lighthouse", "--bind", LIGHTHOUSE], child_env(), log)
     try:
         time.sleep(1.0)
@@ -56,8 +55,8 @@ def _in_place(run_dir: Path, args: list[str], log: Path, profile: Path | None = 
                 {"DDPTRAIN_REPLICA_GROUP": str(g), "TORCHFT_LIGHTHOUSE": f"http://{LIGHTHOUSE}"}
                 | {"DDPTRAIN_BIND_ADDR": "127.0.0.1"}
             )
-            python = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile and g == 0 else [])]
-            groups.append(_start([*python, "-m", "ddptrain", "train", *args, f"run.dir={run_dir}"], env, log))
+            timer = ["bench.ft_session_timer", str(timings)] if timings and g == 0 else ["ddptrain", "train"]
+            groups.append(_start([sys.executable, "-m", *timer, *args, f"run.dir={run_dir}"], env, log))
         if [p.wait(timeout=900) for p in groups] != [0, 0]:
             raise RuntimeError(f"in-place run failed: {log.read_text()[-2000:]}")
     finally:
@@ -71,18 +70,15 @@ def step_time(run_dir: Path) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def session_costs(profile: Path, steps: int) -> dict[str, float]:
-    """Milliseconds per step spent in each in-place session call (cumulative time, cProfile)."""
-    stats = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
-    out: dict[str, float] = {}
-    for (filename, _, name), (_, _, _, cumulative, _) in stats.items():
-        if filename.endswith("in_place.py") and name in SESSION_CALLS:
-            out[name] = out.get(name, 0.0) + 1000 * cumulative / steps
-    return out
+def session_costs(timings: Path) -> dict[str, float]:
+    """Median milliseconds per call of each in-place session call, warm-up steps left out."""
+    seconds = json.loads(timings.read_text())
+    return {name: 1000 * statistics.median(v[SKIP:]) for name, v in seconds.items() if len(v) > SKIP}
 
 
 def _measure(folder: Path, model: list[str], steps: int, opts: Options) -> dict[str, list[float]]:
     args = [*RUN, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}"]
+    folder.mkdir(parents=True, exist_ok=True)
     variants = {"ddp": _ddp, "in-place": _in_place}
     out: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(opts.rounds):
@@ -113,14 +109,17 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             Row("in-place overhead (2 ranks)", f"step time vs plain DDP, {label}", stats, "%", target, met, note)
         )
         data[label] = seconds
-    model, steps = sizes.get("default", sizes["tiny"])
-    profiled = folder / "profiled"
-    _in_place(
-        profiled,
-        [*RUN, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}"],
-        folder / "profiled.log",
-        folder / "group0.prof",
-    )
-    data["session_ms_per_step"] = session_costs(folder / "group0.prof", steps)
-    data["profiled_step_s"] = step_time(profiled)
+        profiled = folder / label / "timed"
+        _in_place(
+            profiled,
+            [*RUN, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}"],
+            folder / "timed.log",
+            folder / f"{label}-session.json",
+        )
+        data[f"{label}_session_ms"] = costs = session_costs(folder / f"{label}-session.json")
+        data[f"{label}_timed_step_s"] = step_time(profiled)
+        rows += [
+            Row("in-place overhead (2 ranks)", f"{label}: {call} per step", summary([ms]), "ms", note="group 0, median")
+            for call, ms in costs.items()
+        ]
     return rows, data

@@ -117,6 +117,7 @@ def run_mode(job: Job, every: float, duration: float, seed: int) -> dict[str, An
     """Train under the schedule: a kill every `every` s for `duration` s from the first step; then stop."""
     rng = random.Random(seed)
     kills: list[Kill] = []
+    revived: list[tuple[int, float]] = []
     try:
         job.start()
         first = job.first_step_time(timeout=300)
@@ -128,6 +129,10 @@ def run_mode(job: Job, every: float, duration: float, seed: int) -> dict[str, An
                 if kill is not None:
                     kills.append(kill)
                     next_kill += every
+                    print(
+                        f"goodput: {job.mode}: killed host {kill.host} at +{kill.time - first:.1f} s", file=sys.stderr
+                    )
+            revived += [(host, time.time()) for host in job.revive()]
             time.sleep(0.05)
     finally:
         job.close()
@@ -140,6 +145,7 @@ def run_mode(job: Job, every: float, duration: float, seed: int) -> dict[str, An
         "step_s": g.step_s,
         "wall_s": g.wall_s,
         "kills": [k.__dict__ for k in kills],
+        "exited_on_their_own": revived,  # (host, when restarted): failures the schedule did not cause
         **failure_costs(records, kills),
     }
 
