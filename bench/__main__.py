@@ -3,6 +3,7 @@
 python -m bench all                 # the full run (make bench), ~10 minutes on 2 cores
 python -m bench overhead peers      # some figures
 python -m bench all --smoke         # tiny sizes, one round: checks that everything starts
+python -m bench goodput ft_overhead # only when named (root, torchft; minutes): fault tolerance
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ FIGURES = [
     "tracking",
     "prepare",
 ]
+# Run only when named: they need root (namespace hosts) or torchft, and take minutes even in smoke mode.
+ON_DEMAND = ["goodput", "ft_overhead"]
 
 
 def _figures(names: list[str]) -> list[tuple[str, Callable[[Options], tuple[list[Row], dict[str, Any]]]]]:
@@ -93,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("figures", nargs="+", choices=["all", *FIGURES])
+    p.add_argument("figures", nargs="+", choices=["all", *FIGURES, *ON_DEMAND])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round, no warm-up")
     p.add_argument("--rounds", type=int, help="measured rounds per figure (default 5; smoke 1)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for <date>.json and .md")
+    p.add_argument("--fault-every", type=float, default=30.0, help="goodput: seconds between kills (default 30)")
+    p.add_argument("--fault-for", type=float, default=300.0, help="goodput: seconds of the schedule (default 300)")
     p.add_argument("--work-dir", type=Path, help="scratch folder (default runs/bench; smoke: OUT/work)")
     args = p.parse_args(argv)
     names = FIGURES if "all" in args.figures else list(dict.fromkeys(args.figures))
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup=0 if args.smoke else 1,
         work_dir=work.resolve(),
         data_dir=(work / "data").resolve() if args.smoke else REPO / "data" / "stdlib",
+        fault_every_s=args.fault_every,
+        fault_for_s=args.fault_for,
     )
     fix_threads(1)
     _corpus(opts)

@@ -47,6 +47,8 @@ class Options:
     warmup: int = 1
     work_dir: Path = REPO / "runs" / "bench"
     data_dir: Path = REPO / "data" / "stdlib"
+    fault_every_s: float = 30.0  # the goodput figure's schedule: a kill every this many seconds ...
+    fault_for_s: float = 300.0  # ... for this long
 
     def order(self, names: Sequence[str], r: int) -> list[str]:
         """Variant order of round r: A B C, then C B A, then A B C ..."""

@@ -32,6 +32,7 @@ from ddptrain.review.diagnostic_events import (  # noqa: E402
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
+from ddptrain.review.membership import membership_report  # noqa: E402
 from ddptrain.review.records import PHASES, read_records  # noqa: E402
 from ddptrain.review.story import Goodput, Story, goodput, tell  # noqa: E402
 from ddptrain.run_folder import checkpoints_dir, metrics_file, read_config_sections, report_dir  # noqa: E402
@@ -477,6 +478,7 @@ def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     max_steps = _max_steps(run_dir)
     last_train = _of(records, "train")[-1]["step"]
     story = tell(records, finished=max_steps is not None and last_train >= max_steps)
-    summary = summarize(run_dir, records, truncated, story)
+    in_place, drawn = membership_report(records, out)  # in-place runs: quorum changes, heals, step goodput
+    summary = summarize(run_dir, records, truncated, story) + in_place
     write_text_replace(out / "summary.txt", summary + "\n")  # a link planted there is replaced, not followed
-    return summary, [*plot_all(run_dir, story, out), out / "summary.txt"]
+    return summary, [*plot_all(run_dir, story, out), *drawn, out / "summary.txt"]

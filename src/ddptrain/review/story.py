@@ -76,10 +76,14 @@ def step_seconds(train: list[dict[str, Any]], first_step: int) -> float:
 
 
 def split_attempts(records: list[dict[str, Any]]) -> list[Attempt]:
-    """Records grouped by the start/resume event that precedes them (records before any start: attempt 0)."""
+    """Records grouped by the start/resume event that precedes them (records before any start: attempt 0).
+
+    In an in-place run (quorum events) every replica group writes a start or resume when it (re)joins while
+    the others train on: one attempt, not a restart that re-does steps."""
     attempts: list[Attempt] = []
+    in_place = any(r.get("event") == "quorum" for r in records)
     for r in records:
-        if r["kind"] == "event" and r.get("event") in _STARTS:
+        if r["kind"] == "event" and r.get("event") in _STARTS and not (in_place and attempts):
             attempts.append(Attempt(start=r))
         elif attempts:
             attempts[-1].records.append(r)

@@ -1,0 +1,129 @@
+"""`ddptrain report` on an in-place run: quorum changes, heals and the committed-step goodput (review/membership.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from ddptrain.cli import main
+from ddptrain.review.membership import step_goodput
+
+T0 = 1_800_000_000.0
+STEP_S = 0.5
+
+
+def train(step: int, t: float, world_size: int) -> dict[str, Any]:
+    return {
+        "kind": "train",
+        "time": t,
+        "step": step,
+        "loss": 5.0 - 0.01 * step,
+        "lr": 1e-3,
+        "world_size": world_size,
+        "global_batch_size": 48,
+        "step_time_s": STEP_S,
+        "samples_per_s": 48 / STEP_S,
+        "tokens_per_s": 48 * 128 / STEP_S,
+    }
+
+
+def event(name: str, t: float, **fields: Any) -> dict[str, Any]:
+    return {"kind": "event", "time": t, "event": name, **fields}
+
+
+def in_place_records() -> list[dict[str, Any]]:
+    """3 groups; group 0 killed after step 20 (1 step discarded, a 1.4 s stall), its replacement resumes from the
+    step-20 checkpoint, a first heal refused, a second verified, and it joins at step 30."""
+    out = [event("start", T0 - 1, step=0, world_size=1, grad_accum=6, restart_count=0, host=f"node{g}") for g in "321"]
+    out.append(event("quorum", T0, step=1, groups=[0, 1, 2], joined=[], left=[], world_size=3, discarded_steps=0))
+    t = T0
+    for step in range(1, 41):
+        if step == 21:
+            t += 1.4
+            out.append(event("quorum", t, step=21, groups=[1, 2], joined=[], left=[0], world_size=2, discarded_steps=1))
+        if step == 25:
+            out.append(event("resume", t, step=20, world_size=1, grad_accum=6, restart_count=0, host="node1"))
+        if step == 30:
+            heal = {"replica_group": 0, "bytes": 10_000_000}
+            out.append(event("heal", t, step=29, seconds=0.2, bytes_per_s=None, verified=False, error="digest", **heal))
+            out.append(event("heal", t, step=29, seconds=0.1, bytes_per_s=100_000_000, verified=True, **heal))
+            out.append(
+                event("quorum", t, step=30, groups=[0, 1, 2], joined=[0], left=[], world_size=3, discarded_steps=0)
+            )
+        out.append(train(step, t, 3 if step < 21 or step >= 30 else 2))
+        t += STEP_S
+    return out
+
+
+def write_run(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+@pytest.mark.timeout(60)
+def test_report_of_an_in_place_run_draws_the_membership_and_its_goodput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = write_run(tmp_path, in_place_records())
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "in-place quorum: 3 change(s) (1 group(s) left, 1 joined), 1 step(s) discarded; world size 3 -> 2 -> 3" in out
+    )
+    assert "heals: 1 verified (median 0.100 s, 100.0 MB/s), 1 refused" in out
+    # 39 steps after the first, each 0.5 s, in 39 x 0.5 + 1.4 s of wall time
+    assert f"goodput (committed steps): {100 * 19.5 / 20.9:.1f}% (39 steps x 0.500 s median step in 20.9 s)" in out
+    assert "1 attempt(s)" in out  # the replacement's resume is a group rejoining, not a restart of the run
+    assert "steps re-done" not in out
+    png = run_dir / "report" / "membership.png"
+    with Image.open(png) as img:
+        img.verify()
+    assert str(png) in out
+
+
+@pytest.mark.timeout(60)
+def test_report_of_a_run_without_quorum_events_draws_no_membership(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [event("start", T0 - 1, step=0, world_size=2, grad_accum=1, restart_count=0, host="node1")]
+    records += [train(s, T0 + STEP_S * s, 2) for s in range(1, 11)]
+    run_dir = write_run(tmp_path, records)
+    assert main(["report", str(run_dir)]) == 0
+    assert "in-place quorum" not in capsys.readouterr().out
+    assert not (run_dir / "report" / "membership.png").exists()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    steps=st.integers(5, 200),
+    step_s=st.floats(0.01, 10),
+    stall_s=st.floats(0, 100),
+    redone=st.integers(0, 10),
+)
+def test_step_goodput_counts_each_step_once_and_the_stall_as_lost(
+    steps: int, step_s: float, stall_s: float, redone: int
+) -> None:
+    """Evenly spaced steps, one stall after the middle one, and a rollback that re-does `redone` steps after it:
+    the re-done steps and the stall are the time lost."""
+    middle = steps // 2
+    records, t = [], 0.0
+    for s in list(range(1, middle + 1)) + list(range(max(middle - redone, 0) + 1, steps + 1)):
+        if len(records) == middle:  # the fault: a stall, then the next step (or the rollback's first)
+            t += stall_s
+        records.append({"kind": "train", "time": t, "step": s})
+        t += step_s
+    g = step_goodput(records)
+    assert g is not None
+    assert g.steps == steps - 1
+    assert g.step_s == pytest.approx(step_s)
+    wall = (len(records) - 1) * step_s + stall_s
+    assert g.wall_s == pytest.approx(wall)
+    assert g.ratio == pytest.approx((steps - 1) * step_s / wall)
