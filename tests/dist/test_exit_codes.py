@@ -30,12 +30,12 @@ def launch(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess
 
 
 @pytest.mark.timeout(300)
-def test_launch_with_a_bad_config_exits_2_twenty_times_out_of_twenty() -> None:
+def test_launch_with_a_bad_config_exits_2_eight_times_out_of_eight() -> None:
     argv = ["--nproc-per-node", "2", "--rdzv-timeout", "20", "--", "train", "train.bogus=1"]
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: launch(argv), range(20)))
+        results = list(pool.map(lambda _: launch(argv), range(8)))
     codes = [r.returncode for r in results]
-    assert codes == [2] * 20, [(r.returncode, r.stderr[-500:]) for r in results if r.returncode != 2]
+    assert codes == [2] * 8, [(r.returncode, r.stderr[-500:]) for r in results if r.returncode != 2]
     for r in results:
         assert r.stderr.strip() == "ddptrain launch: error: invalid config: unknown key 'train.bogus'"
 
@@ -46,7 +46,7 @@ def test_workers_exiting_2_end_the_launch_with_2_and_no_restart(tmp_path: Path) 
     other; whatever that one exits with, the job exits 2 and says nothing about restarts."""
     argv = ["--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "5", "--", "train", *TINY,
             f"data.dir={tmp_path / 'absent'}", f"run.dir={tmp_path / 'run'}"]
-    for attempt in range(3):
+    for attempt in range(2):
         r = launch(argv)
         assert r.returncode == 2, (attempt, r.stderr[-2000:])
         assert "no prepared corpus in" in r.stderr and "Traceback" not in r.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import write_run_records
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
@@ -41,19 +41,20 @@ class Numbered(Dataset[tuple[int, int]]):
 
 
 @given(w=weights, batch=st.integers(1, 64))
-@settings(max_examples=25, deadline=None)  # 10,000 batches each
-def test_every_batch_of_10000_holds_each_share_within_one_sample(w: list[float], batch: int) -> None:
+@example(w=[1.0, 30.0, 30.0, 1.875], batch=1)  # drifted past one sample under the former "most behind first" rule
+@settings(max_examples=20, deadline=None)  # 3,000 batches each (kept small for the unit budget)
+def test_every_batch_of_3000_holds_each_share_within_one_sample(w: list[float], batch: int) -> None:
     schedule = MixtureSchedule(w, batch)
     share = [x / sum(w) * batch for x in w]
     taken = [0] * len(w)
-    for k in range(10_000):
+    for k in range(3_000):
         quotas = schedule.quotas(k, taken)
         assert sum(quotas) == batch
         assert all(abs(q - s) < 1 for q, s in zip(quotas, share)), (k, quotas, share)
         taken = [t + q for t, q in zip(taken, quotas)]
         # the running totals never drift: within 1 sample of the weights (a little float slack in the check)
         assert all(abs(t - s * (k + 1)) < 1 + 1e-6 for t, s in zip(taken, share)), (k, taken)
-    assert list(schedule.taken_before(10_000)) == taken  # the cached path agrees with the step-by-step one
+    assert list(schedule.taken_before(3_000)) == taken  # the cached path agrees with the step-by-step one
 
 
 @given(w=weights, batch=st.integers(1, 24), sizes=st.lists(st.integers(1, 30), min_size=4, max_size=4))

@@ -63,13 +63,26 @@ class MixtureSchedule:
         self._recent = (0, self._totals[0])  # the last totals computed: batches are mostly read in order
 
     def quotas(self, batch: int, taken: Sequence[int]) -> list[int]:
-        """Samples of each source in global batch `batch`, given the totals taken before it."""
+        """Samples of each source in global batch `batch`, given the totals taken before it.
+
+        Each source gets floor(w_s B) or one more; the extra seats are scheduled as a proportionate-fair
+        (pfair) schedule of the fractional parts r_s: earliest pseudo-deadline first among the sources a seat
+        would not put a whole sample ahead. That keeps every running total within one sample of w_s B per batch
+        (the greedy "most behind first" it replaces drifted past one with four sources, found by hypothesis).
+        """
         extra = self.global_batch - sum(self.base)
+        frac = [share - self.unit * base for share, base in zip(self.shares, self.base)]  # r_s, in units
 
-        def behind(s: int) -> tuple[int, int]:  # how far s would lag its share after this batch without a seat
-            return (-(self.shares[s] * (batch + 1) - self.unit * (taken[s] + self.base[s])), s)
+        def lag(s: int) -> int:  # r_s (batch + 1) - extra seats s had so far, in units: behind after this batch
+            return frac[s] * (batch + 1) - self.unit * (taken[s] - self.base[s] * batch)
 
-        chosen = set(sorted(range(len(self.shares)), key=behind)[:extra])
+        def deadline(s: int) -> tuple[int, int, int]:  # the batch by which s must have its next seat
+            seats = taken[s] - self.base[s] * batch
+            return (-(-self.unit * (seats + 1) // frac[s]), -frac[s], s)
+
+        eligible = sorted((s for s in range(len(frac)) if frac[s] and lag(s) > 0), key=deadline)
+        rest = sorted((s for s in range(len(frac)) if s not in eligible), key=lambda s: (-lag(s), s))
+        chosen = set((eligible + rest)[:extra])
         return [b + (s in chosen) for s, b in enumerate(self.base)]
 
     def taken_before(self, batch: int) -> tuple[int, ...]:
