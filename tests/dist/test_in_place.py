@@ -98,6 +98,22 @@ def test_without_torchft_installed_the_mode_says_which_extra(tmp_path: Path) -> 
     assert "pip install 'ddptrain[ft]'" in one_error_line(done)
 
 
+def run_groups(tmp_path: Path, commands: list[tuple[list[str], dict[str, str]]]) -> list[int]:
+    """Start one process per replica group (output in tmp_path/group<g>.log) and return their exit codes."""
+    logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(len(commands))]
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for (argv, env), log in zip(commands, logs, strict=True)
+    ]
+    try:
+        return [p.wait(timeout=110) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for f in logs:
+            f.close()
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -180,24 +196,9 @@ def test_groups_dying_in_a_save_and_in_an_evaluation_leave_the_last_one_training
     run_dir = tmp_path / "run"
     train = [*TOY, "train.max_steps=20", "train.eval_every=5", "ckpt.every_steps=5", "model.kwargs.step_sleep=0.05"]
     argv = [sys.executable, "-m", "ddptrain", "train", *train, f"run.dir={run_dir}"]
-    logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(3)]
     dies = {0: "save", 1: "eval"}  # group 0 writes the folder: it dies capturing its first checkpoint
-    procs = [
-        subprocess.Popen(
-            argv,
-            env=ft_env(g, lighthouse, **({"FAULTY_DIE_IN": dies[g]} if g in dies else {})),
-            stdout=logs[g],
-            stderr=subprocess.STDOUT,
-        )
-        for g in range(3)
-    ]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        for f in logs:
-            f.close()
+    envs = [ft_env(g, lighthouse, **({"FAULTY_DIE_IN": dies[g]} if g in dies else {})) for g in range(3)]
+    codes = run_groups(tmp_path, [(argv, env) for env in envs])
     assert codes == [-signal.SIGKILL, -signal.SIGKILL, 0], (tmp_path / "group2.log").read_text()[-3000:]
     steps = [r["step"] for r in records(run_dir) if r["kind"] == "train"]
     assert steps == list(range(1, 21))  # each step committed and logged once, through the change of writer
@@ -211,18 +212,7 @@ def test_groups_dying_in_a_save_and_in_an_evaluation_leave_the_last_one_training
 def test_a_group_started_with_another_recipe_exits_2_and_the_job_goes_on(lighthouse: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
-    logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(2)]
-    procs = [
-        subprocess.Popen([*argv, *(["train.lr=0.01"] if g else [])], env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT)
-        for g in range(2)
-    ]
-    try:
-        codes = [p.wait(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        for f in logs:
-            f.close()
+    codes = run_groups(tmp_path, [(argv, ft_env(0, lighthouse)), ([*argv, "train.lr=0.01"], ft_env(1, lighthouse))])
     assert codes == [0, 2], (tmp_path / "group1.log").read_text()[-2000:]
     said = (tmp_path / "group1.log").read_text()
     assert "error: replica group 1 trains another recipe than groups [0]" in said
