@@ -5,9 +5,9 @@ checkpoint holds and which does not depend on the world size), so a mixture resu
 world size with no state of its own:
 
 - Global batch k (positions kB .. kB+B-1) gives source s a quota of floor(w_s B) or floor(w_s B) + 1
-  samples: the B - sum floor(w_s B) extra seats go to the sources furthest behind their weight
-  (largest w_s B (k+1) - taken_s(k)), so each batch is within one sample of every weight and the
-  running totals stay close to them too (tests/unit/test_mixture.py checks both over 10,000 steps).
+  samples: the B - sum floor(w_s B) extra seats are a pfair schedule of the fractional parts (quotas()),
+  so each batch is within one sample of every weight and so are the running totals
+  (tests/unit/test_mixture.py checks both).
 - Within the batch the sources are spread evenly (slot j goes to the source whose quota is least
   served at j), so each rank's contiguous slice holds a mix, not one source.
 - The n-th sample taken from source s is, in that source's own epoch n // len_s (a seeded
