@@ -113,8 +113,13 @@ def test_a_run_that_lost_its_lease_stops_at_once_and_writes_nothing_more(tmp_pat
         ("event", "completed", last),
     ]  # B's
     # A's, from being let go until it saw B's lease: step records (train, ranks) up to the step it stopped at,
-    # nothing after; no event: no checkpoint (its save was refused), no end record.
-    assert all(kind != "event" and step <= stopped_at < last for kind, _, step in after if step != last), after
+    # nothing after; no event but the record of a checkpoint it had committed before it was stopped (stopped
+    # between its folder's rename and the record), no checkpoint after (its save was refused), no end record.
+    assert all(
+        step <= stopped_at < last if kind != "event" else (event, step) == ("checkpoint", newest)
+        for kind, event, step in after
+        if step != last
+    ), after
     assert sorted(p.name for p in ckpts.glob("step-*") if int(p.name[5:]) > newest) == [f"step-{last:08d}"]
     assert not (ckpts / "archive").exists() and not list(ckpts.glob(".tmp-*"))
     assert not lease.exists()  # B released it; A never wrote it again
