@@ -9,7 +9,8 @@ to make the all-reduce bigger. Hangs: hang_at / hang_rank sleep hang_s inside th
 marker file in record_dir, or beside the run, says when); sync_stat all-reduces a statistic over
 the default group in every training forward (as SyncBatchNorm does) and skip_rank skips it at
 forward skip_at. The environment variable FAULTY_DIE_IN=eval|save SIGKILLs the process in its first
-evaluation forward, or its first state_dict() (a checkpoint's capture), once it has trained a step
+evaluation forward, or its first state_dict() on the main thread (a checkpoint's capture; the live state an
+in-place group sends a joining one is read on torchft's quorum thread), once it has trained a step
 (one process of a job, unlike the kwargs). build_blocking_datasets: a dataset whose items block on opening a FIFO nobody
 writes (I/O that never completes) on one rank from one item on.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,7 @@ class FaultyRegressor(nn.Module):
             self.record = Path(record_dir) / f"params-rank{self.rank}-pid{os.getpid()}.txt"
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        if self.die_in == "save" and self.forwards:
+        if self.die_in == "save" and self.forwards and threading.current_thread() is threading.main_thread():
             os.kill(os.getpid(), signal.SIGKILL)
         return super().state_dict(*args, **kwargs)
 

@@ -32,6 +32,21 @@ def test_order_changes_per_epoch_and_is_reproducible() -> None:
     assert e0 != shares(64, 8, 2, seed=2, epoch=0)
 
 
+def test_ids_follow_the_epoch_and_the_seed_a_resume_brings() -> None:
+    """ids() keeps one epoch's order (it is asked every step): asking another epoch, or loading a state with another
+    seed, gives that epoch's and seed's order, as a fresh sampler has it."""
+    s = ResumableDistributedSampler(64, 8, 0, 1, seed=1)
+    fresh = {
+        (seed, e): ResumableDistributedSampler(64, 8, 0, 1, seed).ids(e, 0, 64).tolist()
+        for seed in (1, 2)
+        for e in (0, 1)
+    }
+    assert s.ids(0, 0, 64).tolist() == fresh[1, 0] and s.ids(1, 8, 16).tolist() == fresh[1, 1][8:16]
+    s.load_state_dict({"seed": 2, "epoch": 1, "position": 8})
+    assert s.ids(1, 0, 64).tolist() == fresh[2, 1] and s.ids(0, 0, 64).tolist() == fresh[2, 0]
+    assert list(s) == fresh[2, 1][8:]
+
+
 def test_partial_last_global_batch_is_dropped() -> None:
     s = ResumableDistributedSampler(50, 16, 0, 1, seed=0)
     assert s.steps_per_epoch == 3

@@ -81,6 +81,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.stream = stream
         self.epoch = 0
         self.position = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # the last epoch's order: ids() is called every step
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (the order is reshuffled per epoch)."""
@@ -88,7 +89,14 @@ class ResumableDistributedSampler(Sampler[int]):
         self.position = 0
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """All sample ids of an epoch in global order (the same on every rank)."""
+        """All sample ids of an epoch in global order (the same on every rank; not to be written to)."""
+        if self._order is None or self._order[0] != epoch:
+            # A permutation of the whole dataset costs milliseconds per 100k samples: made once per epoch,
+            # not once per ids() call (the certificate and the in-place mode ask every step).
+            self._order = (epoch, self._make_order(epoch))
+        return self._order[1]
+
+    def _make_order(self, epoch: int) -> torch.Tensor:
         if self.stream:
             return torch.arange(self.num_samples) + epoch * self.steps_per_epoch * self.global_batch_size
         if not self.shuffle:
@@ -134,4 +142,6 @@ class ResumableDistributedSampler(Sampler[int]):
                 f"saved data position {state['position']} is not a multiple of the global batch "
                 f"{self.global_batch_size}: train.global_batch_size changed since the checkpoint"
             )
+        if state["seed"] != self.seed:
+            self._order = None
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
