@@ -8,8 +8,9 @@ A round's step time is the median interval between consecutive steps' records af
 `SKIP` (log.every_steps=1 in both: a record per step); the figure is the per-round ratio in-place /
 ddp, for the default model and for the tiny model (where the loop's own costs show). One last
 in-place run of each model times group 0's session calls (bench/ft_session_timer.py): the median
-milliseconds per step of the quorum, the cross-group gradient sum, the stats sum and the commit vote
-say where a cost above the target goes (the gradient sum replaces DDP's own all-reduce; the rest is
+milliseconds per step of the quorum, the wait for the cross-group gradient sums after backward, the
+stats sum and the commit vote say where a cost above the target goes (the gradient sum replaces DDP's
+own all-reduce; the rest is
 what the mode adds).
 """
 

@@ -1,7 +1,8 @@
 """`python -m bench.ft_session_timer OUT.json ddptrain-args...`: `ddptrain train` with the in-place session's calls timed.
 
 Wraps the calls the in-place mode adds to a step (train/in_place.py's InPlaceSession: the quorum, the
-cross-group gradient sum, the small sum over all ranks, the commit vote) with a wall-clock timer and
+small sum over all ranks, the commit vote; train/cross_group.py: the wait for the cross-group gradient
+sums after backward) with a wall-clock timer and
 writes every call's seconds, in order, to OUT.json when training ends. The source is not changed:
 this only runs it.
 """
@@ -16,9 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.in_place import InPlaceSession
 
-CALLS = ("quorum", "sum_gradients", "sum_over_all_ranks", "should_commit")
+# What each timed call is called in the figures, and where it is.
+CALLS = {
+    "quorum": (InPlaceSession, "quorum"),
+    "gradient sum wait": (CrossGroupGradients, "finish"),  # after backward: the buckets' sums not done yet
+    "sum_over_all_ranks": (InPlaceSession, "sum_over_all_ranks"),
+    "should_commit": (InPlaceSession, "should_commit"),
+}
 
 
 def timed(seconds: dict[str, list[float]], name: str, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,8 +49,8 @@ def main(argv: list[str]) -> int:
 
     out, args = Path(argv[0]), argv[1:]
     seconds: dict[str, list[float]] = {name: [] for name in CALLS}
-    for name in CALLS:
-        setattr(InPlaceSession, name, timed(seconds, name, getattr(InPlaceSession, name)))
+    for name, (owner, method) in CALLS.items():
+        setattr(owner, method, timed(seconds, name, getattr(owner, method)))
     try:
         return ddptrain(["train", *args]) or 0
     finally:

@@ -2,8 +2,9 @@
 
 Each step starts with a quorum from the Lighthouse (synchronous: the step's data split depends on who
 is in it). A group that is behind (a replacement) receives the live state from a peer during the quorum
-and checks it before it trains (`heal`). Gradients cross the groups after backward, in one fixed layout;
-the reduction's errors are reported to the Manager, never raised: a peer dying mid all-reduce makes
+and checks it before it trains (`heal`). Gradients cross the groups in one fixed layout of buckets
+(train/cross_group.py) through `cross_sum`, whose errors are reported to the Manager, never raised: a
+peer dying mid all-reduce makes
 `should_commit()` discard the step instead of crashing the survivors (torchft's own DDP comm hook asserts
 there, field notes). Every server binds the node's address (FaultToleranceEnv.bind), never all interfaces.
 """
@@ -17,7 +18,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddptrain.dist import DistContext, broadcast_object, listening_store, probe_store
 from ddptrain.endpoints import host_port
@@ -311,23 +311,6 @@ class InPlaceSession:
     def should_commit(self) -> bool:
         """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""
         return bool(self.manager.should_commit())
-
-    def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        """Sum the gradients over the participating groups, in the parameters' order, after backward.
-
-        Not in a DDP comm hook: DDP lays its buckets out anew after a module's first iteration, so a group that
-        just joined holds another layout than the others until its first step, and bucket-wise sums would add
-        one parameter's gradient to another's. Every rank sums with the same rank of the other groups.
-        """
-        grads = [p.grad for p in parameters if p.grad is not None]
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = _flatten_dense_tensors(same)
-            self.cross_sum(flat).wait()
-            if self.errored():
-                return  # the step is discarded: the gradients are dropped as they are
-            for g, summed in zip(same, _unflatten_dense_tensors(flat, same)):
-                g.copy_(summed)
 
     def cross_sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Sum `tensor` over the participating groups (in place); errors go to the Manager, never raised."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
@@ -29,6 +30,7 @@ from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.triage import Triage
+from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.group_agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.in_place import InPlaceSession, View
 from ddptrain.train.preemption import NO_STOP, StopRequest
@@ -78,6 +80,13 @@ class InPlaceTrainer(Trainer):
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
         self.session = session
+        self.cross_group = CrossGroupGradients(
+            list(self.model.parameters()),
+            int(cfg.dist.bucket_cap_mb * 2**20),
+            session.cross_sum,
+            # Under DDP the group's own sum is in the gradients only after backward.
+            overlap=not isinstance(getattr(self.ddp, "_orig_mod", self.ddp), DDP),
+        )
         checkpointer.share_folder()  # the other groups' saves in progress are not stale
         self.recipe = recipe_fingerprint(cfg, checkpointer.identity)
         self.writer = ctx.is_main  # until the first quorum says which group writes
@@ -144,8 +153,9 @@ class InPlaceTrainer(Trainer):
         self.timer.lap("data")
         # DDP averages over the group's ranks; the groups then sum: each micro-batch weighs group size / M.
         loss = self.forward_backward(batches, [self.ctx.world_size / self.micro_batches] * len(batches))
-        self.session.sum_gradients(self.model.parameters())
-        summed = self.step_sum(view, loss / self.ctx.world_size)
+        self.cross_group.launch_rest()
+        summed = self.step_sum(view, loss / self.ctx.world_size)  # queued behind the gradient buckets
+        self.cross_group.finish(self.session.errored)
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
@@ -158,6 +168,12 @@ class InPlaceTrainer(Trainer):
         self.sampler.advance()
         self.step += 1
         return StepResult(summed[_LOSS].to(self.ctx.device, torch.float32), norm, skipped, time.perf_counter() - t0)
+
+    def sync_gradients(self, last: bool) -> None:
+        """Trainer.sync_gradients; the last backward also starts the cross-group sums of finished buckets."""
+        super().sync_gradients(last)
+        if last:
+            self.cross_group.arm()
 
     def batches_of(self, lo: int, hi: int) -> list[Any]:
         """Micro-batches lo..hi of the next global batch, read by sample id (the same ids at any membership)."""

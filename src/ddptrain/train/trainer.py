@@ -191,7 +191,7 @@ class Trainer:
             # Gradients of the first micro-batches accumulate locally: no_sync() (DDP) or FSDP2's
             # gradient sync switch skips their all-reduce/reduce-scatter; the last backward reduces the sum once.
             last = micro == len(batches) - 1
-            set_gradient_sync(self.ddp, last)
+            self.sync_gradients(last)
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 output = model_output(self.ddp, batch)
@@ -202,6 +202,10 @@ class Trainer:
             self.timer.lap("backward")
             loss_sum += loss.detach()
         return loss_sum
+
+    def sync_gradients(self, last: bool) -> None:
+        """Whether the next backward reduces the gradients over the ranks (the step's last) or accumulates them."""
+        set_gradient_sync(self.ddp, last)
 
     def apply_update(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, step the optimizer (unless the gradient is non-finite) and the schedule: (grad norm, skipped)."""
