@@ -62,6 +62,9 @@ def _after(train: list[dict[str, Any]], t: float, past_step: int = 0) -> float |
 def failure_costs(records: list[dict[str, Any]], kills: list[Kill]) -> dict[str, Any]:
     """Per kill: to the next committed step, to the first step past the one reached before it; replacements."""
     train = [r for r in records if r["kind"] == "train"]
+    # Full membership: a quorum of every group. (Not "the replaced group joined": a replacement that heals
+    # in the first quorum after the kill never shows in a quorum's `joined`, since it never left one.)
+    everyone = max((len(q["groups"]) for q in records if q.get("event") == "quorum"), default=0)
     next_step, past_before, full = [], [], []
     for k in kills:
         reached = max((r["step"] for r in train if r["time"] <= k.time), default=0)
@@ -72,7 +75,7 @@ def failure_costs(records: list[dict[str, Any]], kills: list[Kill]) -> dict[str,
             joins = [
                 q["time"] - k.restarted
                 for q in records
-                if q.get("event") == "quorum" and k.host in q["joined"] and q["time"] > k.restarted
+                if q.get("event") == "quorum" and len(q["groups"]) == everyone and q["time"] > k.restarted
             ]
             if joins:
                 full.append(joins[0])
