@@ -6,7 +6,7 @@ import traceback
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddptrain import streams
-from ddptrain.cli import main
+from ddptrain.cli import exit_with, main
 
 
 def _run() -> int:
@@ -22,4 +22,4 @@ def _run() -> int:
         os._exit(1)
 
 
-raise SystemExit(_run())
+exit_with(_run())

@@ -28,7 +28,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -50,7 +50,7 @@ from ddptrain.commands.triage import triage
 from ddptrain.commands.verify_resume import verify_resume
 from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DdptrainError, LaunchError
 from ddptrain.launch.options import LaunchOptions, node_counts, nproc_per_node
-from ddptrain.train.preemption import decided_stop, settle_for_exit
+from ddptrain.train.preemption import decided_stop, leaves_without_teardown, settle_for_exit
 
 
 class Command(NamedTuple):
@@ -120,6 +120,20 @@ COMMANDS: dict[str, Command] = {
 
 
 # ---- main: the one place exceptions become exit codes ---------------------------------------
+
+
+def command() -> NoReturn:
+    """The `ddptrain` console command: main() and exit with its code."""
+    exit_with(main())
+
+
+def exit_with(code: int) -> NoReturn:
+    """Leave the process with `code`: at once, with the streams flushed, when the command said nothing is left to
+    close (preemption.leave_without_teardown); through the interpreter's teardown otherwise."""
+    if leaves_without_teardown():
+        streams.flush_standard_streams()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

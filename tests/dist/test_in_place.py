@@ -184,7 +184,9 @@ def test_a_lighthouse_restarted_at_its_address_pauses_the_groups_and_they_go_on(
     steps = [r for r in records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 41))  # no step lost, none repeated: the groups kept their state
     resumed = next(r for r in steps if r["time"] > lost_at)
-    assert resumed["world_size"] == 2
+    # Both groups train together again. (Under load one group may reach the new Lighthouse first and train a step
+    # alone, min replicas being 1, while the other joins and heals: the steps above still come once each.)
+    assert any(r["world_size"] == 2 for r in steps if r["time"] > lost_at)
     assert "asking the Lighthouse again" in (tmp_path / "group0.log").read_text()
     print(f"MEASURED Lighthouse lost for 2 s: the groups paused {resumed['time'] - lost_at:.1f} s")
 

@@ -32,6 +32,7 @@ from ddptrain.launch.agent import Agent, StallGuard, handled_signals, make_agent
 from ddptrain.launch.options import EXIT_OK, LaunchOptions
 from ddptrain.launch.worker_start import run_worker, use_preloaded_server
 from ddptrain.train.agent_watch import AGENT_PID_ENV
+from ddptrain.train.preemption import leave_without_teardown
 
 _RESUMABLE = {EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
 
@@ -98,6 +99,9 @@ def _stopped_by_signal(agent: Agent, first: signal.Signals, options: LaunchOptio
     """The launcher's exit code after its first stop signal (`first`: a later one never renames the stop)."""
     for sig in handled_signals():  # the workers are stopped and the code decided: nothing may cut the exit
         signal.signal(sig, signal.SIG_IGN)  # short now (Python restores default handlers as it exits)
+    # Nor may the interpreter's teardown: with the rendezvous left open, a native thread of torch's aborted it
+    # here now and then ("terminate called without an active exception", exit -6 instead of 75).
+    leave_without_teardown()
     code = exit_code_for(list(agent.exit_codes.values()))
     if code in _RESUMABLE:
         done = (

@@ -168,6 +168,7 @@ class InPlaceSession:
         self._state_fn: StateFn | None = None
         self._load_fn: LoadFn | None = None
         self._heal: Heal | None = None
+        self._reported = False  # this step was failed by report() (a check of ours), not by a collective
         self._drill = env.inject
 
     def reach(self) -> None:
@@ -260,7 +261,7 @@ class InPlaceSession:
         A quorum that fails (the Lighthouse lost, or restarting) is asked again until the Lighthouse answers,
         for up to `outage_s`; still_waiting(why) is called before each new attempt.
         """
-        self._heal = None
+        self._heal, self._reported = None, False
         t0 = time.perf_counter()
         self._start_quorum(still_waiting)
         heal = self._heal
@@ -306,7 +307,21 @@ class InPlaceSession:
 
     def report(self, why: str) -> None:
         """Mark this step failed: should_commit() then discards it."""
+        self._reported = True
         self.manager.report_error(RuntimeError(why))
+
+    def abandon_collectives(self) -> None:
+        """After a discarded step whose collective failed (a peer gone): abort the cross-group process group now.
+
+        A survivor can be waiting in that collective for another survivor rather than for the dead group (a ring
+        all-reduce's next hop), and gloo has no deadline short of dist.ft_timeout_s: it would sit there until the
+        other survivor's next quorum replaced the group, after the Lighthouse's join timeout had run out waiting
+        for it (the 5 s stalls of docs/goodput.md). Aborting here closes this rank's connections, so such a
+        peer fails at once and asks for the next quorum, whose new membership configures a new process group.
+        A step failed by a check of ours (report) leaves the group as it is: its collectives all completed.
+        """
+        if self.errored() and not self._reported:
+            self.pg.abort()
 
     def should_commit(self) -> bool:
         """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""

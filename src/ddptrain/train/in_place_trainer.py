@@ -159,6 +159,7 @@ class InPlaceTrainer(Trainer):
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
+            self.session.abandon_collectives()
             why = self.session.error_line() or "another rank of the group voted no"
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None

@@ -43,6 +43,18 @@ _EXIT_CODES = {INTERRUPT: EXIT_INTERRUPTED, PREEMPT: EXIT_PREEMPTED}
 # (cli.py) when a late Ctrl-C reaches it.
 _decided: list[tuple[str, int]] = []
 _hold = [False]
+_leave = [False]
+
+
+def leave_without_teardown() -> None:
+    """The exit code is decided and nothing is left to close (a launcher whose workers stopped on a signal): the
+    process leaves at once with that code (cli.exit_with) instead of running the interpreter's teardown."""
+    _leave[0] = True
+
+
+def leaves_without_teardown() -> bool:
+    """Whether leave_without_teardown() was called in this process."""
+    return _leave[0]
 
 
 def hold_until_exit() -> None:
