@@ -165,3 +165,24 @@ def test_generated_configs_as_real_commands(tiny_corpus: Path, tmp_path_factory:
     assert r.returncode in (0, 2), (items, r.returncode, r.stderr[-2000:])
     if r.returncode == 2:
         assert re.fullmatch(r"ddptrain train: error: [^\n]+\n", r.stderr), (items, r.stderr)
+
+
+@pytest.mark.parametrize("decided", [True, False])
+def test_a_process_whose_exit_was_decided_leaves_with_its_code_without_teardown(decided: bool) -> None:
+    """cli.exit_with: after leave_without_teardown() (a launcher whose workers stopped on a signal) the process exits
+    with the code at once, its output flushed, and runs no teardown (an atexit handler stands for it); otherwise the
+    interpreter tears down as usual."""
+    script = (
+        "import atexit, sys\n"
+        "from ddptrain.cli import exit_with\n"
+        "from ddptrain.train.preemption import leave_without_teardown\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "print('said before leaving')\n"
+        f"{'leave_without_teardown()' if decided else 'pass'}\n"
+        "exit_with(75)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env_for_subprocess(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 75, proc.stderr
+    assert proc.stdout.splitlines() == (["said before leaving"] if decided else ["said before leaving", "teardown ran"])
