@@ -43,9 +43,9 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         server.start()
     uri = f"sqlite:///{folder / 'server' / 'smoke.db'}" if opts.smoke else server.uri
     model = SMOKE_MODEL if opts.smoke else TINY_MODEL
-    up_args = ["log.trackers=[mlflow]", f"log.mlflow_tracking_uri={uri}"]
+    up_args = ["log.trackers=[mlflow]", f"log.mlflow.tracking_uri={uri}"]
     nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the server is down throughout
-    down_args = ["log.trackers=[mlflow]", f"log.mlflow_tracking_uri={nowhere}", "log.tracker_flush_s=0"]
+    down_args = ["log.trackers=[mlflow]", f"log.mlflow.tracking_uri={nowhere}", "log.tracker_flush_s=0"]
     # A record every step (the worst case), and every 10 steps (the default log.every_steps).
     trackers = {
         "off": ["log.every_steps=1"],
@@ -61,7 +61,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
                 model,
                 opts.data_dir,
                 folder / name.replace(" ", "-").replace(",", ""),
-                ["log.mlflow_experiment=bench", *extra],
+                ["log.mlflow.experiment=bench", *extra],
             )
             runs[name] = build_run(cfg, DistContext())
             runs[name].triage.close()  # steps are driven here, without the watchdog

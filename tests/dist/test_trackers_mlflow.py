@@ -37,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
 
 
 def tracked(server: MlflowServer, experiment: str) -> list[str]:
-    return ["log.trackers=[mlflow]", f"log.mlflow_tracking_uri={server.uri}", f"log.mlflow_experiment={experiment}"]
+    return ["log.trackers=[mlflow]", f"log.mlflow.tracking_uri={server.uri}", f"log.mlflow.experiment={experiment}"]
 
 
 def steps_of(client: object, run_id: str, key: str) -> list[int]:

@@ -33,7 +33,7 @@ def history_and_config(run_file: Path) -> tuple[list[int], dict[str, str], str]:
 def test_offline_run_resumed_continues_the_same_run(corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["train", *TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}", "ckpt.every_steps=2",
-            "log.trackers=[wandb]", "log.wandb_mode=offline", "log.wandb_project=ddptrain-test"]
+            "log.trackers=[wandb]", "log.wandb.mode=offline", "log.wandb.project=ddptrain-test"]
     env = {"WANDB_SILENT": "true"}
     first = run_ddptrain([*args, "train.max_steps=4"], timeout=150, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -48,4 +48,4 @@ def test_offline_run_resumed_continues_the_same_run(corpus_dir: Path, tmp_path: 
     assert [run_id for _, _, run_id in seen] == [stored, stored]
     assert [steps for steps, _, _ in seen] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # each step once, in order
     assert [config["train.max_steps"] for _, config, _ in seen] == [4, 8]
-    assert all(config["log.wandb_mode"] == "offline" and config["model.n_embd"] == 32 for _, config, _ in seen)
+    assert all(config["log.wandb.mode"] == "offline" and config["model.n_embd"] == 32 for _, config, _ in seen)

@@ -1,5 +1,4 @@
-"""The checkpoint format a run saves with (ckpt.format): the config's choices are the registered formats,
-`auto` picks today's format for each strategy, every format round-trips a Trainer's state through
+"""The checkpoint format a run saves with (ckpt.format): every registered format names itself, `auto` picks today's format for each strategy, every format round-trips a Trainer's state through
 save, verify and resume when chosen, and a format that cannot save the strategy's state is refused
 in one line (exit 2) before anything is written.
 """
@@ -14,30 +13,31 @@ import torch
 from helpers import make_trainer, one_line_exit_2
 
 from ddptrain.checkpoint import verify_checkpoint
-from ddptrain.checkpoint.formats.registry import AUTO, FORMATS, checkpoint_format
+from ddptrain.checkpoint.formats.registry import auto_format, checkpoint_format, format_class
 from ddptrain.config import CkptConfig, DistConfig
+from ddptrain.config.kinds import FORMATS
 from ddptrain.errors import ConfigError
 
 STRATEGIES = get_args(DistConfig.model_fields["strategy"].annotation)
 
 
-def test_the_config_offers_exactly_the_registered_formats() -> None:
-    assert set(get_args(CkptConfig.model_fields["format"].annotation)) == {"auto", *FORMATS}
-    assert CkptConfig().format == "auto"
-
-
 def test_auto_picks_the_format_each_strategy_saved_with_before_the_key_existed() -> None:
-    assert set(AUTO) == set(STRATEGIES)
-    assert {s: checkpoint_format("auto", s).name for s in STRATEGIES} == {
-        "ddp": "sharded",
-        "fsdp": "dcp",
-        "hsdp": "dcp",
-    }
+    assert CkptConfig().format == "auto" and FORMATS.choices == ["auto", *FORMATS]
+    assert (
+        {s: auto_format(s) for s in STRATEGIES}
+        == {s: checkpoint_format("auto", s).name for s in STRATEGIES}
+        == {
+            "ddp": "sharded",
+            "fsdp": "dcp",
+            "hsdp": "dcp",
+        }
+    )
 
 
 def test_each_format_names_itself_and_saves_some_strategy() -> None:
-    for name, cls in FORMATS.items():
-        assert cls.name == name and cls.strategies and cls.strategies <= set(STRATEGIES)
+    for name in FORMATS:
+        cls = format_class(name)
+        assert cls().name == name and cls.strategies and cls.strategies <= set(STRATEGIES)
         assert checkpoint_format(name, sorted(cls.strategies)[0]).name == name
 
 
@@ -74,7 +74,7 @@ def test_each_format_round_trips_a_trainer_when_chosen(corpus_dir: Path, tmp_pat
     assert torch.equal(first.train_step().loss, resumed.loss)
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in FORMATS.items() if "fsdp" not in c.strategies))
+@pytest.mark.parametrize("name", sorted(n for n in FORMATS if "fsdp" not in format_class(n).strategies))
 def test_a_format_that_cannot_save_the_strategy_is_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=f"ckpt.format={name} cannot save a dist.strategy=fsdp run; use "):
         checkpoint_format(name, "fsdp")

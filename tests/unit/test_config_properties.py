@@ -114,15 +114,18 @@ def test_any_config_file_gives_a_config_or_one_line(tmp_path: Path, content: byt
 # Text as a hostile user types it: control characters, line and paragraph separators, '/', '.'.
 hostile_text = st.text(st.one_of(st.characters(max_codepoint=0x9F), st.sampled_from("\u2028\u2029/.é😀")), max_size=12)
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-LINE_KEYS = ["run.dir", "data.dir", "ckpt.resume", "model.init_from", "log.tracker_run_name", "log.wandb_project"]
+LINE_KEYS = ["run.dir", "data.dir", "ckpt.resume", "model.init_from", "log.tracker_run_name", "log.wandb.project"]
 
 
 @given(st.sampled_from(["run.name", *LINE_KEYS]), hostile_text)
 @settings(max_examples=300, deadline=None)
 def test_names_and_paths_are_one_line_or_one_line_errors(key: str, value: str) -> None:
-    section, name = key.split(".")
+    *sections, name = key.split(".")
+    mapping: dict[str, object] = {name: value}
+    for section in reversed(sections):
+        mapping = {section: mapping}
     try:
-        cfg = config_from_mapping({section: {name: value}})
+        cfg = config_from_mapping(mapping)
     except ConfigError as e:
         assert_one_line(e)
         assert key in str(e)

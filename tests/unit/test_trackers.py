@@ -6,7 +6,7 @@ keeps a server's state in memory; `down` makes every call raise, like an unreach
 
 from __future__ import annotations
 
-import importlib
+import csv
 import json
 import sys
 import threading
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import read_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -229,7 +230,7 @@ def test_config_of_trackers() -> None:
         "tensorboard",
         "mlflow",
     ]
-    with pytest.raises(ConfigError, match="log.track_artifacts needs mlflow or wandb"):
+    with pytest.raises(ConfigError, match="log.track_artifacts needs one of mlflow, wandb in log.trackers"):
         load_config(None, ["log.track_artifacts=[model]"])
     with pytest.raises(ConfigError, match="log.trackers.0"):
         load_config(None, ["log.trackers=[neptune]"])
@@ -240,14 +241,24 @@ def test_config_of_trackers() -> None:
     }
 
 
-def test_the_config_offers_exactly_the_registered_trackers() -> None:
-    """A tracker is its module plus one line in TRACKERS; `log.trackers` must offer the same names."""
-    import typing
+def test_every_registered_tracker_builds_from_its_module() -> None:
+    """A tracker is its module plus one line in TRACKERS: each registered `build` is importable."""
+    from ddptrain.config.kinds import TRACKERS
 
-    from ddptrain.config import LogConfig
-    from ddptrain.observe.trackers import TRACKERS
+    assert all(callable(TRACKERS.load(name)) for name in TRACKERS)
 
-    (literal,) = typing.get_args(LogConfig.model_fields["trackers"].annotation)
-    assert set(typing.get_args(literal)) == set(TRACKERS)
-    for kind in TRACKERS.values():  # each registered module exists and has its builder
-        assert callable(importlib.import_module(f"ddptrain.observe.trackers.{kind.module}").build)
+
+def test_the_csv_tracker_writes_every_logged_value_into_the_run_folder(tiny_args: list[str], tmp_path: Path) -> None:
+    """log.trackers=[csv]: run.dir/metrics.csv holds each train value metrics.jsonl holds, one row each, and the
+    attempt's end; a resumed run appends to it under the one header."""
+    from ddptrain.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", *tiny_args, "log.trackers=[csv]", "train.max_steps=3"]) == 0
+    assert main(["train", *tiny_args, "log.trackers=[csv]", "train.max_steps=6"]) == 0  # resumes at step 3
+    with (run_dir / "metrics.csv").open(newline="") as f:
+        header, *rows = list(csv.reader(f))
+    assert header == ["step", "time", "series", "metric", "value"] and header not in rows
+    losses = {(int(r[0]), float(r[4])) for r in rows if r[2:4] == ["train", "loss"]}
+    assert losses == {(r["step"], r["loss"]) for r in read_metrics(run_dir)} and len(losses) == 6
+    assert [int(r[0]) for r in rows if r[2:4] == ["end", "completed"]] == [3, 6]

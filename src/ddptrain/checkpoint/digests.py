@@ -1,4 +1,5 @@
-"""The checksums a checkpoint's files can be recorded with, by the name its manifest gives.
+"""The checksums a checkpoint's files can be recorded with, by the name its manifest gives (config/kinds.py's
+HASHES registers each: its name, its hasher and how messages name it).
 
 BLAKE3 is the default (docs/checkpoints.md "Which checksum"): cryptographic like SHA-256, so a
 recorded digest still names the content even against a file crafted to collide, and several
@@ -9,13 +10,16 @@ recorded used. Both digests are 32 bytes, 64 lowercase hex characters.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from typing import Protocol
 
 import blake3
 
-DEFAULT_HASH = "blake3"
+from ddptrain.config.kinds import DEFAULT_HASH
+from ddptrain.config.kinds import HASHES as _REGISTRY
+
+__all__ = ["DEFAULT_HASH", "HASHES", "LEGACY_HASH", "SHOWN", "Hasher", "blake3_hasher", "is_digest", "new_hasher"]
+
 # A manifest without a `hash` field (format 2, before the algorithm was recorded) used SHA-256.
 LEGACY_HASH = "sha256"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -33,26 +37,26 @@ class Hasher(Protocol):
         ...
 
 
-def _blake3() -> Hasher:
+def blake3_hasher() -> Hasher:
+    """A fresh BLAKE3 hasher."""
     # AUTO: a big buffer (a tensor read into memory, a record torch.save writes) is hashed on
     # several cores; small updates stay on the calling thread (the library decides per call).
     hasher: Hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     return hasher
 
 
-_FACTORIES = {"blake3": _blake3, "sha256": hashlib.sha256}
-HASHES = tuple(sorted(_FACTORIES))
-SHOWN = {"blake3": "BLAKE3", "sha256": "SHA-256"}  # how messages name each algorithm
+HASHES = tuple(sorted(_REGISTRY))
+SHOWN = {name: kind.shown for name, kind in _REGISTRY.items()}  # how messages name each algorithm
 
 
 def new_hasher(name: str) -> Hasher:
     """A fresh hasher of the named algorithm; ValueError for a name not in HASHES."""
-    factory = _FACTORIES.get(name)
-    if factory is None:
+    if name not in _REGISTRY:
         raise ValueError(f"unknown hash algorithm {name[:40]!r} (known: {', '.join(HASHES)})")
-    return factory()
+    hasher: Hasher = _REGISTRY.load(name)()
+    return hasher
 
 
 def is_digest(name: str, value: object) -> bool:
     """True when value has the form of a hex digest of the named algorithm."""
-    return name in _FACTORIES and isinstance(value, str) and _HEX64.fullmatch(value) is not None
+    return name in _REGISTRY and isinstance(value, str) and _HEX64.fullmatch(value) is not None

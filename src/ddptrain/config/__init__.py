@@ -140,12 +140,22 @@ def config_from_mapping(data: Mapping[str, Any], overrides: list[str] | None = N
 
 
 def describe_fields() -> str:
-    """Every config key with its type, default and description (for --help-config)."""
+    """Every config key with its type, default and description (for --help-config); a section's own
+    sections (log.mlflow) key by key."""
     out = []
     for section_name, field in Config.model_fields.items():
         section = field.default_factory()  # type: ignore[call-arg,misc]
         out.append(f"{section_name}:")
-        for name, f in type(section).model_fields.items():
-            key = f.alias or name
-            out.append(f"  {key} = {getattr(section, name)!r}\n      {f.description}")
+        out.extend(_described(section))
     return "\n".join(out)
+
+
+def _described(section: Section, prefix: str = "") -> list[str]:
+    out = []
+    for name, f in type(section).model_fields.items():
+        key, value = prefix + (f.alias or name), getattr(section, name)
+        if isinstance(value, Section):
+            out.extend(_described(value, f"{key}."))
+        else:
+            out.append(f"  {key} = {value!r}\n      {f.description}")
+    return out

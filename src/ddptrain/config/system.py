@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
+from ddptrain.config.kinds import DEFAULT_HASH, FORMATS, HASHES, TRACKERS
+from ddptrain.config.trackers import MLflowOptions, WandbOptions
 from ddptrain.config_io import (
     folder_name,
 )
@@ -122,13 +124,13 @@ class CkptConfig(Section):
         le=MAX_TIMEOUT_S,
         description="How long ranks wait for each other's checkpoint writes before the save fails.",
     )
-    hash: Literal["blake3", "sha256"] = Field(
-        "blake3",
-        description="Checksum of every checkpoint file, named in its manifest: blake3 (cryptographic, several times faster) or sha256 (e.g. where a rule requires it); resume reads either.",
+    hash: Annotated[str, AfterValidator(HASHES.check)] = Field(
+        DEFAULT_HASH,
+        description=f"Checksum of every checkpoint file, named in its manifest: {HASHES.explained()}; resume reads any.",
     )
-    format: Literal["auto", "sharded", "dcp", "rank0-torch"] = Field(
+    format: Annotated[str, AfterValidator(FORMATS.check)] = Field(
         "auto",
-        description="How checkpoints are written: auto (sharded under dist.strategy=ddp, dcp under fsdp/hsdp), sharded (every rank writes its share of the full state; ddp only), dcp (torch.distributed.checkpoint, every rank its shards; any strategy) or rank0-torch (rank 0 writes one torch.save file per object; ddp only). Resume reads any format, whatever this says.",
+        description=f"How checkpoints are written: {FORMATS.explained()}. Resume reads any format, whatever this says.",
     )
     load: Literal["auto", "shared", "every-rank"] = Field(
         "auto",
@@ -145,9 +147,9 @@ class LogConfig(Section):
     tensorboard: bool = Field(
         False, description="Same as listing tensorboard in log.trackers (kept for existing configs)."
     )
-    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+    trackers: list[Annotated[str, AfterValidator(TRACKERS.check)]] = Field(
         default_factory=list,
-        description="Experiment trackers fed besides metrics.jsonl (rank 0): any of tensorboard, mlflow, wandb; each needs its extra (pip install 'ddptrain[mlflow]').",
+        description=f"Experiment trackers fed besides metrics.jsonl (rank 0), any of: {TRACKERS.explained()}; each needs its extra where it has one (pip install 'ddptrain[mlflow]').",
     )
     track_artifacts: list[Literal["report", "model"]] = Field(
         default_factory=list,
@@ -164,19 +166,11 @@ class LogConfig(Section):
         ge=0,
         description="At the end of a run, wait at most this long for the trackers to deliver what is queued.",
     )
-    mlflow_tracking_uri: LineText | None = Field(
-        None, description="MLflow tracking server or store URI (None: MLFLOW_TRACKING_URI, else MLflow's default)."
+    mlflow: MLflowOptions = Field(
+        default_factory=MLflowOptions, description="The mlflow tracker's options: {tracking_uri, experiment}."
     )
-    mlflow_experiment: LineText | None = Field(
-        None,
-        description="MLflow experiment name, created when missing (None: MLFLOW_EXPERIMENT_NAME or MLFLOW_EXPERIMENT_ID, else 'Default').",
-    )
-    wandb_project: LineText | None = Field(None, description="W&B project (None: WANDB_PROJECT, else W&B's default).")
-    wandb_entity: LineText | None = Field(
-        None, description="W&B entity, a user or team (None: WANDB_ENTITY, else your default entity)."
-    )
-    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="W&B mode (None: WANDB_MODE, else online); offline writes run.dir/wandb for `wandb sync`."
+    wandb: WandbOptions = Field(
+        default_factory=WandbOptions, description="The wandb tracker's options: {project, entity, mode}."
     )
     straggler_every: int = Field(
         10,
@@ -200,10 +194,29 @@ class LogConfig(Section):
         description="Peak dense TFLOP/s per device for MFU, for devices not in the built-in table (None: use the table).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        for key in data if isinstance(data, dict) else ():
+            if key in RENAMED:
+                raise ValueError(f"log.{key} is now log.{RENAMED[key]}")
+        return data
+
     @model_validator(mode="after")
     def _artifacts_need_a_tracker(self) -> LogConfig:
-        if self.track_artifacts and not {"mlflow", "wandb"} & set(self.trackers):
+        uploading = [name for name, kind in TRACKERS.items() if kind.remote]
+        if self.track_artifacts and not set(uploading) & set(self.trackers):
             raise ValueError(
-                "log.track_artifacts needs mlflow or wandb in log.trackers (there is nowhere to upload to)"
+                f"log.track_artifacts needs one of {', '.join(uploading)} in log.trackers (there is nowhere to upload to)"
             )
         return self
+
+
+# Keys of log that earlier versions had, and where each is now: given, they stop the run with this hint.
+RENAMED = {
+    "mlflow_tracking_uri": "mlflow.tracking_uri",
+    "mlflow_experiment": "mlflow.experiment",
+    "wandb_project": "wandb.project",
+    "wandb_entity": "wandb.entity",
+    "wandb_mode": "wandb.mode",
+}

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ddptrain.config.base import LineText, Section
+from ddptrain.config.kinds import DEFAULT_SCHEDULE, SCHEDULES
 
 # A metric name every tracker takes as it is (MLflow, TensorBoard, W&B) and a Python identifier's shape.
 METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
@@ -109,9 +110,9 @@ class OptimConfig(Section):
 
 
 class ScheduleConfig(Section):
-    name: Literal["cosine", "wsd", "linear", "constant"] = Field(
-        "cosine",
-        description="Learning-rate shape after train.warmup_steps of linear warm-up: cosine or linear decay to train.min_lr_ratio at max_steps, wsd (stable at lr, then a linear decay over the last decay_fraction of the run), or constant.",
+    name: Annotated[str, AfterValidator(SCHEDULES.check)] = Field(
+        DEFAULT_SCHEDULE,
+        description=f"Learning-rate shape after train.warmup_steps of linear warm-up: {SCHEDULES.explained()}.",
     )
     decay_fraction: float = Field(
         0.2, gt=0, le=1, description="wsd: share of train.max_steps spent in the final decay."

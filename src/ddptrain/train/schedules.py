@@ -1,11 +1,12 @@
-"""Learning-rate schedules: warm-up, then cosine, linear, wsd or constant; and how each continues
-when a resumed run is given a different train.max_steps.
+"""Learning-rate schedules: warm-up, then a registered shape (config/kinds.py's SCHEDULES: cosine, wsd,
+linear, constant); and how each continues when a resumed run is given a different train.max_steps.
 
 Every built-in schedule is a `Plan`: linear warm-up over `warmup` steps, a stable phase at the
-peak, then a decay in `shape` from `start_factor` at `decay_start` to `floor` at `max_steps`
-(factors multiply train.lr). cosine and linear decay right after the warm-up; wsd
-(warmup-stable-decay) stays at the peak until the last `schedule.decay_fraction` of the run and
-decays linearly; constant never decays.
+peak, then a decay in `shape` (the schedule's name) from `start_factor` at `decay_start` to `floor`
+at `max_steps` (factors multiply train.lr). A schedule is a `Shape` here plus its line in
+SCHEDULES: its decay (the share of the drop still ahead at each point of the decay) and whether it
+stays at the peak until the last `schedule.decay_fraction` of the run (wsd,
+warmup-stable-decay) instead of decaying right after the warm-up.
 
 Changing the plan of a running schedule (a resume with a larger train.max_steps, or any other
 schedule setting) never makes the LR jump (`continued`): when the new plan gives the LR the old one
@@ -17,6 +18,7 @@ step at the current LR and reaches the new floor at the new max_steps, in the ne
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -24,10 +26,31 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from ddptrain.config import Config
+from ddptrain.config.kinds import SCHEDULES
 from ddptrain.errors import ConfigError
 from ddptrain.targets import import_target
 
-SHAPES = ("cosine", "linear", "constant")
+
+@dataclass(frozen=True)
+class Shape:
+    """A schedule: `decay(progress)` is the share of the drop (start to floor) still ahead, 1 at progress 0
+    and 0 at 1 for a schedule that reaches the floor; `late`: stable at the peak until the last
+    schedule.decay_fraction of the run."""
+
+    decay: Callable[[float], float]
+    late: bool = False
+
+
+COSINE = Shape(lambda progress: 0.5 * (1 + math.cos(math.pi * progress)))
+LINEAR = Shape(lambda progress: 1 - progress)
+WSD = Shape(LINEAR.decay, late=True)
+CONSTANT = Shape(lambda progress: 1.0)
+
+
+def schedule_shape(name: str) -> Shape:
+    """The schedule registered as `name` (a plan saved with an older version names its decay: linear for wsd)."""
+    found: Shape = SCHEDULES.load(name)
+    return found
 
 
 @dataclass(frozen=True)
@@ -44,12 +67,11 @@ class Plan:
     def factor(self, step: int) -> float:
         """The factor of train.lr for the optimizer step that follows `step` completed steps."""
         if step >= self.decay_start:
-            if self.shape == "constant" or step == self.decay_start:
-                return self.start_factor  # exactly: a continued plan starts at the LR it continues
             progress = min(1.0, (step - self.decay_start) / max(1, self.max_steps - self.decay_start))
-            if self.shape == "cosine":
-                return self.floor + (self.start_factor - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
-            return self.floor + (self.start_factor - self.floor) * (1 - progress)
+            ahead = schedule_shape(self.shape).decay(progress) if step > self.decay_start else 1.0
+            if ahead == 1.0:
+                return self.start_factor  # exactly: a continued plan starts at the LR it continues
+            return self.floor + (self.start_factor - self.floor) * ahead
         if step < self.warmup:
             return (step + 1) / self.warmup
         return 1.0
@@ -59,11 +81,10 @@ def config_plan(cfg: Config) -> Plan:
     """The plan schedule.name and train.* describe for a run of train.max_steps from step 0."""
     t, name = cfg.train, cfg.schedule.name
     decay_start = t.warmup_steps
-    if name == "wsd":
+    if schedule_shape(name).late:
         decay_steps = max(1, round(cfg.schedule.decay_fraction * t.max_steps))  # a run always ends at the floor
         decay_start = max(t.warmup_steps, t.max_steps - decay_steps)
-    shape = {"wsd": "linear"}.get(name, name)
-    return Plan(shape, t.warmup_steps, decay_start, 1.0, t.min_lr_ratio, t.max_steps)
+    return Plan(name, t.warmup_steps, decay_start, 1.0, t.min_lr_ratio, t.max_steps)
 
 
 def continued(old: Plan, new: Plan, step: int) -> Plan:

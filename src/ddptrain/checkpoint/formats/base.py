@@ -25,6 +25,7 @@ import torch.nn as nn
 from ddptrain.checkpoint.hashing_reader import HashingReader
 from ddptrain.checkpoint.load_plan import LoadPlan, plan_by_size
 from ddptrain.checkpoint.manifest import FileEntry, Manifest
+from ddptrain.config.kinds import FORMATS
 
 SHARED_KEYS = ("model", "optimizer", "trainer")
 LOCAL_KEYS = ("rng",)
@@ -60,8 +61,12 @@ class CheckpointFormat(ABC):
     rank-independent state (DDP keeps it identical on every rank) and runs no collective of its own.
     """
 
-    name: ClassVar[str]
     strategies: ClassVar[frozenset[str]]
+
+    @property
+    def name(self) -> str:
+        """The format's name in config/kinds.py's FORMATS: what its manifests record (`writer`)."""
+        return FORMATS.name_of(f"{type(self).__module__}:{type(self).__qualname__}")
 
     def bind(self, group: dist.ProcessGroup | None) -> None:
         """The process group the format's own collectives run on: the checkpointer's (None: one process)."""

@@ -156,7 +156,6 @@ def model_template(metadata: Metadata) -> dict[str, torch.Tensor]:
 class DcpWriter(CheckpointFormat):
     """Model and optimizer through DCP (every rank its shards), trainer state by rank 0, RNG by every rank."""
 
-    name = "dcp"
     strategies = frozenset({"ddp", "fsdp", "hsdp"})  # DCP saves shards and whole replicas alike
 
     def __init__(self) -> None:

@@ -20,7 +20,6 @@ class RankZeroTorchWriter(CheckpointFormat):
     DDP keeps model and optimizer identical on every rank, so rank 0's copy is the state.
     """
 
-    name = "rank0-torch"
     strategies = frozenset({"ddp"})  # under FSDP/HSDP rank 0 holds only its shard
 
     def snapshot(

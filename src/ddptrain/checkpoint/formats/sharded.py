@@ -184,7 +184,6 @@ def _read_part(reader: HashingReader) -> dict[str, Any]:
 class ShardedWriter(CheckpointFormat):
     """Every rank writes its share of the shared tensors (partition()); rank 0 the structure; each rank its RNG."""
 
-    name = "sharded"
     strategies = frozenset({"ddp"})  # the full state on every rank: under FSDP/HSDP each holds only its shards
 
     def snapshot(

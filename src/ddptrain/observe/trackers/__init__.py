@@ -1,51 +1,32 @@
-"""Experiment trackers fed by MetricsWriter: TensorBoard, MLflow, Weights & Biases.
+"""Experiment trackers fed by MetricsWriter: TensorBoard, MLflow, Weights & Biases, CSV.
 
-`build_sinks` (called by run.build_run, step 7) returns the sinks `log.trackers` asks for, on
-rank 0 only. TensorBoard writes local files in the training thread (its writer has its own thread);
-MLflow and W&B run behind a BackgroundTracker each (background.py): a bounded queue and a thread,
+Each tracker is its module here, with `build(cfg, state)`, plus its line in config/kinds.py's
+TRACKERS (its name, its package and extra, local or remote). `build_sinks` (called by
+run.build_run, step 7) returns the sinks `log.trackers` asks for, on rank 0 only. Local ones
+(TensorBoard, CSV) write files in the training thread; remote ones (MLflow, W&B) run behind a
+BackgroundTracker each (background.py): a bounded queue and a thread,
 so that a slow or unreachable tracker never blocks or fails training. run.dir/trackers.json
 (state.py) keeps one tracker run per run folder across restarts, recorded before anything is sent.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import platform
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ddptrain.config import Config, LogConfig
+from ddptrain.config.kinds import TRACKERS
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.observe.trackers.background import BackgroundTracker, Backlog
 from ddptrain.observe.trackers.base import Sink, StartInfo, flatten
 from ddptrain.observe.trackers.state import TrackerState
 from ddptrain.run_folder import metrics_file
-
-
-@dataclass(frozen=True)
-class TrackerKind:
-    """Where a tracker lives: its module here, which has `build(cfg, state)`, imported only when the config
-    asks for it (the package it needs is an extra); `remote`: built as a Tracker and run behind a
-    BackgroundTracker, else a Sink written in the training thread."""
-
-    module: str
-    package: str
-    extra: str
-    remote: bool
-
-
-# Every tracker, one line each; `log.trackers`' Literal in config.py lists the same names (a test checks).
-TRACKERS = {
-    "tensorboard": TrackerKind("tensorboard_sink", "tensorboard", "tensorboard", remote=False),
-    "mlflow": TrackerKind("mlflow_tracker", "mlflow", "mlflow", remote=True),
-    "wandb": TrackerKind("wandb_tracker", "wandb", "wandb", remote=True),
-}
 
 
 def tracker_names(log: LogConfig) -> list[str]:
@@ -63,11 +44,9 @@ def require_packages(log: LogConfig) -> None:
     """
     for name in tracker_names(log):
         kind = TRACKERS[name]
-        if importlib.util.find_spec(kind.package) is None:
-            raise ConfigError(
-                f"log.trackers asks for {name}, but the {kind.package} package is not installed: "
-                f"pip install 'ddptrain[{kind.extra}]'"
-            )
+        if kind.package is not None and importlib.util.find_spec(kind.package) is None:
+            how = f"pip install 'ddptrain[{kind.extra}]'" if kind.extra else f"install {kind.package}"
+            raise ConfigError(f"log.trackers asks for {name}, but the {kind.package} package is not installed: {how}")
 
 
 def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> list[Sink]:
@@ -112,8 +91,7 @@ def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> li
 
 def _build(name: str, cfg: Config, state: TrackerState | None) -> Any:
     """The tracker (or sink) `name` for this run; its module is imported here, when it is asked for."""
-    module = importlib.import_module(f"{__name__}.{TRACKERS[name].module}")
-    return module.build(cfg, state)
+    return TRACKERS.load(name)(cfg, state)
 
 
 def system_info(ctx: DistContext) -> dict[str, str]:

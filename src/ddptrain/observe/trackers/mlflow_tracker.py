@@ -23,18 +23,22 @@ from ddptrain.config import Config
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
 from ddptrain.observe.trackers.state import TrackerState
 
+# Without log.mlflow.tracking_uri or MLFLOW_TRACKING_URI: a store in the run folder, its artifacts beside it, and
+# an experiment of ours (MLflow's "Default" experiment keeps its artifacts in the working directory).
+STORE, ARTIFACTS, OWN_EXPERIMENT = "mlflow.db", "mlartifacts", "ddptrain"
+
 
 def build(cfg: Config, state: TrackerState | None) -> MLflowTracker:
-    """The MLflow tracker of a run: one MLflow run per run folder, its id kept in state."""
+    """The MLflow tracker of a run (options: log.mlflow): one MLflow run per run folder, its id kept in state."""
     assert state is not None  # a remote tracker always has the run folder's tracker state
     key, known = state.run_key("mlflow")  # stored before MLflow is called: see state.py
-    return MLflowTracker(
-        cfg.log.mlflow_tracking_uri,
-        cfg.log.mlflow_experiment,
-        key,
-        known,
-        lambda run_id: state.set_run_id("mlflow", run_id),
-    )
+    options = cfg.log.mlflow
+    uri, experiment, artifacts = options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), options.experiment, None
+    if not uri:  # the run folder's own store, never the working directory (MLflow's default: ./mlflow.db, ./mlruns)
+        folder = cfg.run_dir.resolve()
+        uri, artifacts = f"sqlite:///{folder / STORE}", (folder / ARTIFACTS).as_uri()
+        experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or OWN_EXPERIMENT
+    return MLflowTracker(uri, experiment, key, known, lambda run_id: state.set_run_id("mlflow", run_id), artifacts)
 
 
 # A run's terminal MLflow status for each way an attempt ends (observe/endings.py; "failed": it
@@ -54,21 +58,23 @@ KEY_TAG = "ddptrain.run_key"
 
 
 class MLflowTracker:
-    """Sends to the MLflow tracking server (or store) at tracking_uri (None: MLFLOW_TRACKING_URI / MLflow's default)."""
+    """Sends to the MLflow tracking server (or store) at tracking_uri."""
 
     name = "mlflow"
 
     def __init__(
         self,
-        tracking_uri: str | None,
+        tracking_uri: str,
         experiment: str | None,
         key: str,
         key_known: bool,
         store_id: Callable[[str], None],
+        artifacts: str | None = None,
     ) -> None:
         """key: the run folder's creation key (state.py); key_known: an earlier start stored it (and may have
-        created a run with it); store_id: records a created run's id in run.dir/trackers.json."""
-        self.tracking_uri, self.experiment = tracking_uri, experiment
+        created a run with it); store_id: records a created run's id in run.dir/trackers.json; artifacts: where
+        an experiment this creates keeps its artifacts (None: the store's default)."""
+        self.tracking_uri, self.experiment, self.artifacts = tracking_uri, experiment, artifacts
         self.key, self.key_known, self.store_id = key, key_known, store_id
         # The delivery thread retries on its own schedule: MLflow's own retries (7, with backoff,
         # minutes in all) and 120 s timeout would only hide an outage from it. The user's settings win.
@@ -183,7 +189,7 @@ class MLflowTracker:
         if found is not None:
             return str(found.experiment_id)
         try:
-            return str(client.create_experiment(name))
+            return str(client.create_experiment(name, artifact_location=self.artifacts))
         except Exception:  # created meanwhile by another run: use that one
             found = client.get_experiment_by_name(name)
             if found is None:

@@ -19,13 +19,13 @@ from ddptrain.observe.trackers.state import TrackerState
 
 
 def build(cfg: Config, state: TrackerState | None) -> WandbTracker:
-    """The W&B tracker of a run: one W&B run per run folder, its id kept in state."""
+    """The W&B tracker of a run (options: log.wandb): one W&B run per run folder, its id kept in state."""
     assert state is not None  # a remote tracker always has the run folder's tracker state
-    log = cfg.log
+    options = cfg.log.wandb
     return WandbTracker(
-        log.wandb_project,
-        log.wandb_entity,
-        log.wandb_mode,
+        options.project,
+        options.entity,
+        options.mode,
         cfg.run_dir,
         lambda run_id: state.set_run_id("wandb", run_id),
     )
