@@ -262,3 +262,26 @@ def test_the_csv_tracker_writes_every_logged_value_into_the_run_folder(tiny_args
     losses = {(int(r[0]), float(r[4])) for r in rows if r[2:4] == ["train", "loss"]}
     assert losses == {(r["step"], r["loss"]) for r in read_metrics(run_dir)} and len(losses) == 6
     assert [int(r[0]) for r in rows if r[2:4] == ["end", "completed"]] == [3, 6]
+
+
+def test_mlflow_without_a_uri_records_into_the_run_folder_never_the_working_directory(
+    tiny_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's own default store is ./mlflow.db (and ./mlruns for artifacts): ddptrain's is the run folder."""
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed (pip install 'ddptrain[mlflow]')")
+    from mlflow.tracking import MlflowClient
+
+    from ddptrain.cli import main
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    work, run_dir = tmp_path / "work", tmp_path / "run"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["train", *tiny_args, "log.trackers=[mlflow]", "log.track_artifacts=[report]"]) == 0
+    assert list(work.iterdir()) == []
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddptrain").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 7))
+    assert run.info.artifact_uri.startswith((run_dir / "mlartifacts").as_uri())
+    assert any((run_dir / "mlartifacts").rglob("*.png"))
