@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddptrain.config import Config, config_from_mapping
+from ddptrain.config import Config, saved_config
 from ddptrain.config_io import read_yaml_mapping
 from ddptrain.errors import ConfigError
 
@@ -104,6 +104,6 @@ def read_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
     naming the file) when it cannot be read or is not a valid config."""
     sections = read_config_sections(run_dir)
     try:
-        return config_from_mapping(sections, overrides)
+        return saved_config(sections, overrides)
     except ConfigError as e:
         raise ConfigError(f"{config_file(run_dir)}: {e}") from None

@@ -13,7 +13,7 @@ from helpers import one_line_exit_2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddptrain.config import config_from_mapping, describe_fields, load_config
+from ddptrain.config import config_from_mapping, describe_fields, load_config, saved_config
 from ddptrain.config.kinds import FORMATS, HASHES, SCHEDULES, TRACKERS
 from ddptrain.config.registry import Registry
 from ddptrain.config.system import RENAMED
@@ -76,3 +76,19 @@ def test_an_old_tracker_key_names_its_new_place(old: str) -> None:
     section, key = RENAMED[old].split(".")
     value = "offline" if key == "mode" else "x"
     assert getattr(getattr(load_config(None, [f"log.{RENAMED[old]}={value}"]).log, section), key) == value
+
+
+def test_a_config_an_earlier_version_recorded_reads_its_tracker_keys_in_their_new_place() -> None:
+    """Earlier versions wrote every log key into config.yaml and manifests: null ones mean the defaults still (in
+    a user's config too), and a recorded value is read where its key is now."""
+    old = {"mlflow_tracking_uri": "http://mlflow:5000", "mlflow_experiment": None, "wandb_mode": "offline"}
+    assert load_config(None, ["log.mlflow_experiment=null"]).log.mlflow.experiment is None
+    with pytest.raises(ConfigError, match="log.mlflow_tracking_uri is now log.mlflow.tracking_uri, log.wandb_mode"):
+        config_from_mapping({"log": old})
+    log = saved_config({"log": {**old, "wandb": {"project": "p"}}}).log
+    assert (log.mlflow.tracking_uri, log.mlflow.experiment, log.wandb.mode, log.wandb.project) == (
+        "http://mlflow:5000",
+        None,
+        "offline",
+        "p",
+    )

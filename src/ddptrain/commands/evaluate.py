@@ -26,7 +26,7 @@ from ddptrain.checkpoint.adapters import BASE_DIGEST, with_adapters
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import existing_dir, number_in
 from ddptrain.cli_options import REQUIRED, option
-from ddptrain.config import Config, config_from_mapping
+from ddptrain.config import Config, saved_config
 from ddptrain.dist import close_distributed, init_distributed
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models import build_model
@@ -65,7 +65,7 @@ def evaluate(options: EvalOptions) -> int:
 
 def model_of(ckpt: VerifiedCheckpoint, overrides: Sequence[str] = ()) -> tuple[Config, torch.nn.Module]:
     """The config a checkpoint was saved with (plus overrides) and its model, weights loaded, in eval mode."""
-    cfg = config_from_mapping(ckpt.manifest.config, list(overrides))
+    cfg = saved_config(ckpt.manifest.config, list(overrides))
     base = ckpt.manifest.identity.get(BASE_DIGEST)  # model.peft: the base the adapters were trained on
     model, _ = with_adapters(build_model(cfg.model), cfg.model, base)
     try:

@@ -10,7 +10,7 @@ from ddptrain import streams
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir
 from ddptrain.cli_options import REQUIRED, option
-from ddptrain.config import config_from_mapping
+from ddptrain.config import saved_config
 from ddptrain.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ def _export_folder(options: ExportOptions) -> int:
     run_dir = Path(options.run_dir)
     out_dir = output_dir("--out", Path(options.out))
     ckpt = select_checkpoint(run_dir, options.step, streams.say)
-    saved = config_from_mapping(ckpt.manifest.config)
+    saved = saved_config(ckpt.manifest.config)
     if saved.model.live is not None and saved.model.target is None:
         raise ConfigError(
             f"model.live={saved.model.live!r}: --format hf exports the built-in GPT and model.hf models, "

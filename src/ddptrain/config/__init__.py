@@ -19,7 +19,7 @@ from pydantic_core import PydanticSerializationError
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
 from ddptrain.config.data import DataConfig
 from ddptrain.config.model import AdapterConfig, HFModelConfig, ModelConfig
-from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig
+from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig, current_keys
 from ddptrain.config.train import OptimConfig, ScheduleConfig, TrainConfig
 from ddptrain.config_io import (
     apply_overrides,
@@ -55,6 +55,7 @@ __all__ = [  # the sections stay importable from ddptrain.config, as do these co
     "load_config",
     "load_yaml",
     "read_text_file",
+    "saved_config",
 ]
 
 
@@ -137,6 +138,12 @@ def config_from_mapping(data: Mapping[str, Any], overrides: list[str] | None = N
     except (PydanticSerializationError, TypeError, ValueError) as e:  # a Python-API value with no JSON form
         raise ConfigError(f"the config cannot be stored as JSON: {' '.join(str(e).split())[:200]}") from None
     return cfg
+
+
+def saved_config(data: Mapping[str, Any], overrides: list[str] | None = None) -> Config:
+    """A config a run recorded (run.dir/config.yaml, a checkpoint's manifest), perhaps with an earlier version's
+    keys: those renamed since are read in their current place; then as config_from_mapping."""
+    return config_from_mapping(current_keys(data), overrides)
 
 
 def describe_fields() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -197,10 +198,11 @@ class LogConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
-        for key in data if isinstance(data, dict) else ():
-            if key in RENAMED:
-                raise ValueError(f"log.{key} is now log.{RENAMED[key]}")
-        return data
+        # A null is what an older version's config.yaml holds for every key it had: it means the default still.
+        given = [key for key in RENAMED if isinstance(data, dict) and data.get(key) is not None]
+        if given:
+            raise ValueError(", ".join(f"log.{key} is now log.{RENAMED[key]}" for key in given))
+        return {k: v for k, v in data.items() if k not in RENAMED} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _artifacts_need_a_tracker(self) -> LogConfig:
@@ -212,7 +214,8 @@ class LogConfig(Section):
         return self
 
 
-# Keys of log that earlier versions had, and where each is now: given, they stop the run with this hint.
+# Keys of log that earlier versions had, and where each is now: given a value, they stop the run with this hint
+# (a config an earlier version recorded is read with them moved: `current_keys`).
 RENAMED = {
     "mlflow_tracking_uri": "mlflow.tracking_uri",
     "mlflow_experiment": "mlflow.experiment",
@@ -220,3 +223,17 @@ RENAMED = {
     "wandb_entity": "wandb.entity",
     "wandb_mode": "wandb.mode",
 }
+
+
+def current_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A config an earlier version recorded, with its renamed log keys (RENAMED) moved to where they are now."""
+    log = data.get("log")
+    if not isinstance(log, dict) or not RENAMED.keys() & log.keys():
+        return data
+    log = {k: v for k, v in log.items() if k not in RENAMED}
+    for old, new in RENAMED.items():
+        section, key = new.split(".")
+        value = data["log"].get(old)
+        if value is not None and isinstance(log.setdefault(section, {}), dict):
+            log[section] = {key: value, **log[section]}
+    return {**data, "log": log}
