@@ -288,6 +288,7 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain train -c my\.yaml ", "my.yaml stands for the reader's config; the same path as ddptrain train"),
     (r"^ddptrain train --help-config$", check_help_config),
     (r"^ddptrain train train\.", check_error_line),
+    (r"^ddptrain train schedule\.name=", check_error_line),
     (
         r"^ddptrain train optim\.target=my_pkg",
         "my_pkg stands for the reader's package: tests/unit/test_schedules.py covers optim.target",
