@@ -30,8 +30,8 @@ from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.triage import Triage
+from ddptrain.train.agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.cross_group import CrossGroupGradients
-from ddptrain.train.group_agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.in_place import InPlaceSession, View
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
@@ -191,7 +191,7 @@ class InPlaceTrainer(Trainer):
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
         """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, the
-        group ids in quorum order and each group's recipe (train/group_agreement.py). None: discard the step.
+        group ids in quorum order and each group's recipe (train/agreement.py). None: discard the step.
 
         A group whose heal was refused says so here, so every group discards the step (and it heals again). After
         a heal or a change of membership every group also shows its state's fingerprint: the groups that differ

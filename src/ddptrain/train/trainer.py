@@ -40,21 +40,17 @@ from ddptrain.observe.triage import Triage
 from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
-from ddptrain.train.data_input import training_input
+from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
 from ddptrain.train.hooks import Hooks
-from ddptrain.train.nonfinite import NonFiniteSteps
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.parallel import unwrap_model
-from ddptrain.train.precision import Precision
+from ddptrain.train.parallel import by_name, is_sharded, load_full_state, local_norm, set_gradient_sync, unwrap_model
+from ddptrain.train.precision import NonFiniteSteps, Precision
 from ddptrain.train.preemption import HOOK_STOP, LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, apply_lr, build_schedule, config_plan
-from ddptrain.train.sharded_state import by_name
-from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
-from ddptrain.train.token_mean import micro_batch_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +58,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepResult:
     """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches; with
-    labels, its share of the step's mean over target tokens, train/token_mean.py: the ranks' mean is that mean)."""
+    labels, its share of the step's mean over target tokens, train/data_input.py: the ranks' mean is that mean)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
