@@ -10,7 +10,8 @@ the run's first record of that step (the uninterrupted run, when the run was res
 * another world size: the same samples (ids and order), and losses within LOSS_RTOL (gradients are
   summed in another order, so the bits differ; the parameters drift by rounding only).
 
-Run it like training: alone, or under torchrun with the world size you want to check.
+Run it like training: alone, or under torchrun with the world size you want to check. A run trained with
+log.certificate=false wrote no certificate: refused (exit 2, one line saying so).
 """
 
 from __future__ import annotations
