@@ -83,7 +83,9 @@ class LoopObserver(Protocol):
 
     Every rank announces every event at the same point of the same step: an observer that runs a collective
     (the straggler gather, the replica check) runs it at the same steps on every rank, in attach order.
-    Announcing an event reads nothing from the device; what an observer reads is its own (logged steps only).
+    Announcing an event reads nothing from the device: an observer reads it only on its own steps (the
+    certificate on logged steps, the replica check on its check steps and before saves, the straggler check
+    every log.straggler_every steps).
     """
 
     def step_started(self, step: int) -> None:
