@@ -32,6 +32,7 @@ FIGURES = [
     "checkpoint_ranks",
     "hashes",
     "replicas",
+    "certificate",
     "fsdp",
     "lora",
     "data",

@@ -17,15 +17,20 @@ would deadlock the job):
                              rank 0's weights; fsdp shards each rank's copy in place (fully_shard runs
                              no collective; its mesh is the training group); hsdp first creates the
                              mesh's replicate and shard groups (init_device_mesh: new_group calls)
- 5. optimizer and schedule   inside the Trainer; trainer.setup(): the stop agreement's gloo group
-                            (a new group only next to NCCL; gloo runs reuse the training group)
+ 5. optimizer and schedule   inside the Trainer; the loop's observers (throughput, certificate, stragglers,
+                             replica checks: `attach_observers`, none runs a collective when built);
+                             trainer.setup(): the stop agreement's gloo group (a new group only next to
+                             NCCL; gloo runs reuse the training group)
  6. checkpointer.setup()     the checkpoints' own gloo group
  7. observers                metrics and tracker sinks, progress (rank 0 only), triage.setup(): a broadcast,
                              an all-gather of pids
  8. resume (train/start.py)  rank 0 verifies and checks the config, everyone receives its choice
                              (a broadcast); only then, with the run accepted, rank 0 writes
                              config.yaml and every rank's held log lines reach logs/rank-<r>.log
-Then `Run.fit()` trains.
+Then `Run.fit()` trains, with the watchdog (triage) attached as one more observer. In each step the
+observers' collectives come in this order on every rank: the window's loss and custom metrics all-reduced
+(logged steps), the stragglers' all-gather (log.straggler_every), the evaluation's all-reduces, the replica
+check's all-gathers (before every save and on check steps), then the save's own.
 """
 
 from __future__ import annotations
@@ -63,11 +68,14 @@ from ddptrain.errors import (
 )
 from ddptrain.ft_env import FaultToleranceEnv, read_ft_env
 from ddptrain.models import build_model, fit_vocab_to_data
+from ddptrain.observe.certificate import Certificate, CertificateWriter
 from ddptrain.observe.endings import end_record
 from ddptrain.observe.forensics import enable_flight_recorder
 from ddptrain.observe.metrics import MetricsWriter, Progress
+from ddptrain.observe.perf import Throughput
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.observe.runlog import run_logging, stop_rank_files
+from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
@@ -80,7 +88,7 @@ from ddptrain.train.in_place import InPlaceSession
 from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
-from ddptrain.train.replicas import ReplicaDivergence
+from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, ReplicaGuard, replica_groups
 from ddptrain.train.rng import seed_everything
 from ddptrain.train.start import resume_or_start, say
 from ddptrain.train.trainer import Trainer
@@ -114,6 +122,7 @@ class Run:
     triage: Triage
     lease: RunLease | None = None  # rank 0's lease on run.dir
     timeline: RecoveryTimeline | None = None  # marks of this (re)start, written after the first step
+    certificate: CertificateWriter | None = None  # rank 0's resume certificate (None: log.certificate=false)
     status: str = "failed"  # until fit() records how the attempt ended; ends the trackers' runs in close()
 
     def fit(self) -> RunResult:
@@ -125,7 +134,8 @@ class Run:
         lost_to = self.lease.lost_to if self.lease is not None else None
         stop = StopRequest(announce=ctx.is_main, lease_lost=lost_to).install()
         try:
-            trainer.fit(stop_request=stop, watchdog=self.triage, timeline=self.timeline)
+            trainer.observers.attach(self.triage)  # the hang watchdog: arms around each step, phases have budgets
+            trainer.fit(stop_request=stop, timeline=self.timeline)
         except LeaseLost:
             self.abandon_folder()  # the other ranks learn it here; rank 0 already stopped writing
             raise
@@ -194,7 +204,8 @@ class Run:
         nothing more of this run reaches the folder: no metrics, trackers, certificate or log lines."""
         self.metrics.enabled = False
         self.metrics.sinks = []  # dropped unflushed: a tracker's files (TensorBoard's) may lie in the folder
-        self.trainer.certificate.enabled = False
+        if self.certificate is not None:
+            self.certificate.enabled = False
         stop_rank_files()
 
     def close(self) -> None:
@@ -203,7 +214,8 @@ class Run:
             self.triage.close()
             self.trainer.close()
             self.checkpointer.wait()
-            self.trainer.certificate.close()
+            if self.certificate is not None:
+                self.certificate.close()
             self.metrics.close(self.status)
             self.progress.close()
         finally:  # even when a Ctrl-C hurried the close: the next run need not wait for the lease to go stale
@@ -320,11 +332,12 @@ def _build(
     identity = run_identity(source.resume_identity(), module) | base
     checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, identity, writer, tag, lost)
     trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
+    certificate = attach_observers(cfg, ctx, trainer, metrics, train_set)
     trainer.setup()
     checkpointer.setup()
     triage = Triage(ctx, run_dir, cfg.dist.timeout_s, Budgets.from_config(cfg), metrics.write)
     triage.setup()
-    run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease, timeline)
+    run = Run(cfg, ctx, trainer, checkpointer, metrics, progress, triage, lease, timeline, certificate)
     if lease is not None:
         lease.when_lost(run.abandon_folder)  # on the heartbeat thread: rank 0 stops writing at once
     try:
@@ -337,6 +350,47 @@ def _build(
         run.close()
         raise
     return run
+
+
+def attach_observers(
+    cfg: Config, ctx: DistContext, trainer: Trainer, metrics: MetricsWriter, train_set: Any
+) -> CertificateWriter | None:
+    """Step 5's observers of the loop, attached in the order they hear each event (train/hooks.py): throughput
+    (adds its fields to a logged step's record), the resume certificate (log.certificate, rank 0), the straggler
+    check, the replica check. None runs a collective when built. Returns the certificate's writer."""
+    flops = getattr(trainer.model, "flops_per_token", None)
+    throughput = Throughput(
+        ctx.device,
+        cfg.train.precision,
+        ctx.world_size,
+        cfg.train.global_batch_size,
+        getattr(train_set, "tokens_per_sample", None),
+        flops() if callable(flops) else None,
+        cfg.log.peak_tflops,
+    )
+    log.info(throughput.describe())
+    trainer.observers.attach(throughput)
+    writer = None
+    if cfg.log.certificate:  # for `ddptrain verify-resume`
+        writer = CertificateWriter(cfg.run_dir, ctx.is_main)
+        trainer.observers.attach(Certificate(writer, trainer.model, trainer.optimizer, trainer.sampler))
+    log_cfg = cfg.log
+    trainer.observers.attach(
+        StragglerMonitor(
+            ctx,
+            trainer.timer,
+            metrics.write,
+            log_cfg.straggler_every,
+            log_cfg.straggler_factor,
+            log_cfg.straggler_window,
+        )
+    )
+    groups = replica_groups(ctx.world_size, cfg.dist.strategy, cfg.dist.shard_size or 1)
+    check = ReplicaCheck(ctx, log_cfg.replica_check_every, groups)
+    trainer.observers.attach(
+        ReplicaGuard(check, trainer.model, trainer.optimizer, metrics.write, stacks_dir(cfg.run_dir))
+    )
+    return writer
 
 
 def _write_config(cfg: Config) -> None:

@@ -42,6 +42,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "checkpoint (4 ranks)",
         "hashes",
         "replica check",
+        "certificate",
         "fsdp (2 ranks)",
         "lora (2 ranks)",
         "data",

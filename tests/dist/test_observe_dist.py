@@ -40,7 +40,7 @@ def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path:
     # grad accumulation 2: rank 0 waits for rank 1 in the all-reduce of the last micro-batch
     assert all(r["exposed_comm_s"] > 0 for r in train)
     assert all(r["comm_wait_s"] >= 0 for r in train)  # the comm hook measured the last backward's wait
-    assert "rank 1 WARNING ddptrain.train.trainer: straggler at step 8" in (run_dir / "logs" / "rank-1.log").read_text()
+    assert "rank 1 WARNING ddptrain.observe.stragglers: straggler at step 8" in (run_dir / "logs" / "rank-1.log").read_text()
     assert "rank 1 of 2" in (run_dir / "logs" / "rank-1.log").read_text()
 
 

@@ -14,7 +14,7 @@ from ddptrain.config import load_config
 from ddptrain.data.corpus import PrepareOptions, prepare_corpus
 from ddptrain.data.dataset import load_token_datasets
 from ddptrain.data.sampler import ResumableDistributedSampler
-from ddptrain.train.token_mean import target_tokens
+from ddptrain.train.data_input import target_tokens
 
 pytestmark = pytest.mark.dist
 SFT = PrepareOptions(sft="prompt,completion")

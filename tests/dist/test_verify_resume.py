@@ -114,3 +114,19 @@ def test_bad_input_is_exit_2_with_one_line(trained: Path, args: list[str], expec
 def test_a_run_without_a_certificate_is_exit_2(tmp_path: Path) -> None:
     proc = run_ddptrain(["verify-resume", str(tmp_path)], timeout=60)
     assert proc.returncode == 2 and "certificate.jsonl not found" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_run_trained_without_the_certificate_is_exit_2_saying_so(tmp_path: Path) -> None:
+    """log.certificate=false: no digest and no certificate.jsonl; verify-resume refuses the run in one line and
+    leaves its folder as it was."""
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "train.max_steps=10", "ckpt.every_steps=5", "log.certificate=false", f"run.dir={run_dir}"]
+    trained = run_ddptrain(["train", *args], timeout=180)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert not (run_dir / "certificate.jsonl").exists()
+    before = folder_bytes(run_dir)
+    proc = run_ddptrain(["verify-resume", str(run_dir)], timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trained with log.certificate=false" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert folder_bytes(run_dir) == before

@@ -28,7 +28,7 @@ from ddptrain.dist import DistContext
 from ddptrain.errors import DataError
 from ddptrain.models.gpt import GPT
 from ddptrain.models.loss import call_model
-from ddptrain.train.token_mean import micro_batch_weights
+from ddptrain.train.data_input import micro_batch_weights
 
 BYTES = Tokenizer(None, 256, None)
 TEXT = st.text(alphabet="abcdefgh xyz", max_size=40)
@@ -199,7 +199,7 @@ def test_a_bad_record_exits_2_naming_file_and_line_and_writes_nothing(
 
 
 def test_masked_loss_is_the_mean_over_answer_tokens_of_all_micro_batches(tmp_path: Path) -> None:
-    """The trainer's weighting (train/token_mean.py) of each micro-batch's mean loss sums to the mean of every
+    """The trainer's weighting (train/data_input.py) of each micro-batch's mean loss sums to the mean of every
     answer token's loss, computed here by hand; the mean of the micro-batches' means does not."""
     torch.manual_seed(0)
     records = [{"prompt": "q" * (i % 5), "completion": "ab" * (1 + 3 * i)} for i in range(5)]

@@ -10,7 +10,8 @@ the run's first record of that step (the uninterrupted run, when the run was res
 * another world size: the same samples (ids and order), and losses within LOSS_RTOL (gradients are
   summed in another order, so the bits differ; the parameters drift by rounding only).
 
-Run it like training: alone, or under torchrun with the world size you want to check.
+Run it like training: alone, or under torchrun with the world size you want to check. A run trained with
+log.certificate=false wrote no certificate: refused (exit 2, one line saying so).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from ddptrain.dist import all_reduce_mean
 from ddptrain.errors import CheckpointError, UserError
 from ddptrain.observe.certificate import certificate_record, read_certificate
 from ddptrain.observe.runlog import run_logging
-from ddptrain.run_folder import certificate_file, checkpoints_dir, config_file, read_config, replay_dir
+from ddptrain.run_folder import (
+    certificate_file,
+    checkpoints_dir,
+    config_file,
+    read_config,
+    read_config_sections,
+    replay_dir,
+)
 from ddptrain.train.schedules import PlannedSchedule, config_plan
 
 LOSS_RTOL = 1e-3  # relative loss tolerance after a world-size change (see docs/observability.md)
@@ -152,7 +160,7 @@ def verify_resume(options: VerifyResumeOptions) -> int:
         raise VerifyError(f"--steps must be at least 1, got {steps}")
     cert = certificate_file(run_dir)
     if not cert.is_file():
-        raise VerifyError(f"{cert} not found: the run logged no resume certificate (logged steps write it)")
+        raise VerifyError(_no_certificate(run_dir))
     logged = read_certificate(cert)
     ckpt = choose_start(run_dir, logged, start)
     first = ckpt.step
@@ -173,6 +181,7 @@ def verify_resume(options: VerifyResumeOptions) -> int:
             "log.trackers=[]",
             "log.track_artifacts=[]",
             "log.straggler_every=0",
+            "log.certificate=false",  # the replay digests its steps itself (_replay)
         ],  # model.init_from stays: a model.peft run's base comes from it (otherwise the resume wins over it)
     )
     with run.distributed(cfg) as ctx:
@@ -192,6 +201,19 @@ def verify_resume(options: VerifyResumeOptions) -> int:
         )
         print(outcome.text)
         return 0 if outcome.identical else 1
+
+
+def _no_certificate(run_dir: Path) -> str:
+    """Why run_dir has no certificate: trained with log.certificate=false (its config.yaml says so), or no logged step."""
+    cert = certificate_file(run_dir)
+    if config_file(run_dir).is_file():
+        log_section = read_config_sections(run_dir).get("log")
+        if isinstance(log_section, dict) and log_section.get("certificate") is False:
+            return (
+                f"{run_dir} was trained with log.certificate=false: it wrote no resume certificate ({cert.name}) to "
+                "compare a replay with; train with log.certificate=true to verify its resumes"
+            )
+    return f"{cert} not found: the run logged no resume certificate (logged steps write it)"
 
 
 def _replay(the_run: run.Run, until: int, log_every: int) -> list[dict[str, Any]]:

@@ -189,6 +189,10 @@ class LogConfig(Section):
         ge=0,
         description="Compare the data-parallel replicas' state digests on the first logged step at or after every N steps and before every checkpoint; a divergence stops the run (exit 1) with nothing new committed. 0 disables.",
     )
+    certificate: bool = Field(
+        True,
+        description="On every logged step rank 0 digests the model and optimizer state into run.dir/certificate.jsonl, what `ddptrain verify-resume` compares a replay with; false skips the digest (and verify-resume refuses the run).",
+    )
     peak_tflops: float | None = Field(
         None,
         gt=0,

@@ -88,6 +88,26 @@ def certificate_record(
     }
 
 
+class Certificate:
+    """The loop's observer (train/hooks.py) that writes the certificate: a record per logged step, rank 0 only.
+
+    model, optimizer and sampler: the trainer's own objects, digested and read when a step is logged.
+    """
+
+    def __init__(
+        self, writer: CertificateWriter, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: DataPosition
+    ) -> None:
+        self.writer, self.model, self.optimizer, self.sampler = writer, model, optimizer, sampler
+
+    def step_logged(self, record: dict[str, Any], steps: int, seconds: float) -> None:
+        """Rank 0 (while it writes the folder): digest the state after the logged step, append the record."""
+        if self.writer.enabled:
+            step, loss, world_size = record["step"], record["loss"], record["world_size"]
+            self.writer.write(
+                certificate_record(step, loss, world_size, self.model, self.optimizer, self.sampler, steps)
+            )
+
+
 class CertificateWriter:
     """Rank 0 appends certificate records to run.dir/certificate.jsonl (others do nothing).
 

@@ -329,6 +329,10 @@ class Throughput:
         out["peak_mem_mb"], out["peak_mem_kind"] = peak_memory_mb(self.device)
         return out
 
+    def step_logged(self, record: dict[str, Any], steps: int, seconds: float) -> None:
+        """The loop's observer (train/hooks.py): a logged step's record gains the window's throughput fields."""
+        record.update(self.record(steps, seconds))
+
     def describe(self) -> str:
         """One line naming the device, dtype and the peak MFU is measured against."""
         if self.peak:

@@ -20,8 +20,10 @@ all-reduce waits, and each rank runs the same `StragglerDetector` on them:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -31,7 +33,9 @@ import torch.distributed as dist
 
 from ddptrain.dist import DistContext
 from ddptrain.observe import links
+from ddptrain.observe.perf import StepTimer
 
+log = logging.getLogger(__name__)
 COMM_FLOOR_S = 0.005  # a slower all-reduce must also be this much slower in absolute terms
 
 
@@ -125,10 +129,16 @@ class StragglerDetector:
 
 
 class StragglerMonitor:
-    """Every `every` steps: gather every rank's per-step timings (one all-gather) and run the detector."""
+    """Every `every` steps: gather every rank's per-step timings (one all-gather) and run the detector.
 
-    def __init__(self, ctx: DistContext, every: int, factor: float, window: int = 30) -> None:
-        self.ctx, self.every = ctx, every
+    An observer of the loop (train/hooks.py): `step_ended` takes the timer's steps on check steps, writes the
+    record through `write` (rank 0's metrics writer) and logs the warnings on every rank.
+    """
+
+    def __init__(
+        self, ctx: DistContext, timer: StepTimer, write: Callable[..., None], every: int, factor: float, window: int
+    ) -> None:
+        self.ctx, self.every, self.timer, self.write = ctx, every, timer, write
         self.hosts = list(ctx.hosts) or [ctx.hostname]
         self.detector = StragglerDetector(ctx.world_size, window=window, factor=factor)
         self._flagged: set[Any] = set()  # what was already warned about (warn once per episode)
@@ -136,6 +146,15 @@ class StragglerMonitor:
     def due(self, step: int) -> bool:
         """True on the steps where every rank takes part in a check."""
         return bool(self.every) and self.ctx.is_distributed and step % self.every == 0
+
+    def step_ended(self, step: int) -> None:
+        """All ranks, after each step's logs: on check steps compare the timer's step times (an all-gather)."""
+        if not self.due(step):
+            return
+        record, warnings = self.check(step, *self.timer.take_steps())
+        self.write("ranks", **record)
+        for warning in warnings:
+            log.warning(warning)
 
     def _gather(self, *series: list[float]) -> list[list[list[float]]]:
         # One tensor per rank: each series' last `every` values, NaN-padded in front when fewer.

@@ -92,7 +92,6 @@ class Triage:
         self._events = events
         budgets = budgets or Budgets(True, 3.0, 30.0, 20, timeout_s, timeout_s, timeout_s)
         self.watchdog = HangWatchdog(budgets, self._on_hang, log.info)
-        self._step = 0
 
     def setup(self) -> None:
         """All ranks together: agree on a store key prefix unique to this worker group; learn every rank's pid.
@@ -106,18 +105,19 @@ class Triage:
             dist.all_gather_object(pids, os.getpid(), group=self.ctx.group)
             self.pids = [int(p) for p in pids]
 
-    def arm(self, step: int | None = None) -> None:
-        """Step `step` (default: the one after the previous) starts: its budget runs from now."""
-        self._step = self._step + 1 if step is None else step
-        self.watchdog.arm(self._step)
+    # ---- the loop's observer (train/hooks.py; Run.fit attaches it for the loop) ----------------
 
-    def disarm(self) -> None:
+    def step_started(self, step: int) -> None:
+        """Step `step` starts (or its next attempt, in place): its budget runs from now."""
+        self.watchdog.arm(step)
+
+    def step_trained(self, step: int) -> None:
         """The step finished: its duration calibrates the budget."""
         self.watchdog.disarm()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """A phase with its own budget: "evaluation" or "checkpoint"."""
+        """A phase with its own budget: "evaluation" or "checkpoint" (they never trip the step budget)."""
         with self.watchdog.phase(name):
             yield
 

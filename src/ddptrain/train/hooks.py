@@ -9,12 +9,17 @@ the next step carries it: two steps after the request), with a committed checkpo
 
 Hooks run on every rank, with that rank's record: the loss, metrics and evaluations are all-reduced
 (the same everywhere), timings are the rank's own; a stop asked on any one rank stops them all.
+
+The run's own observers (the watchdog, throughput, the resume certificate, the straggler and replica
+checks) attach to the same loop through `Observers`, the internal side of this seam: the Trainer announces
+each event of `LoopObserver` in one place, and run.py builds the observers and attaches them.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -71,3 +76,80 @@ class Hooks:
         return (
             f"a hook asked to stop: {self.stop_reason}" if self.stop_reason else "a hook on another rank asked to stop"
         )
+
+
+class LoopObserver(Protocol):
+    """The events an observer of the run may define (any of them), in their order within a step.
+
+    Every rank announces every event at the same point of the same step: an observer that runs a collective
+    (the straggler gather, the replica check) runs it at the same steps on every rank, in attach order.
+    Announcing an event reads nothing from the device: an observer reads it only on its own steps (the
+    certificate on logged steps, the replica check on its check steps and before saves, the straggler check
+    every log.straggler_every steps).
+    """
+
+    def step_started(self, step: int) -> None:
+        """Step `step` (1-based) starts (or starts again: the in-place mode's next attempt)."""
+
+    def step_trained(self, step: int) -> None:
+        """Step `step` updated the model and the ranks polled the stop agreement."""
+
+    def step_logged(self, record: dict[str, Any], steps: int, seconds: float) -> None:
+        """A logged step's record (all ranks) before it is written, for its window of `steps` steps that took
+        `seconds`: an observer may add fields of its own (throughput's) and must change none."""
+
+    def step_ended(self, step: int) -> None:
+        """After the step's logs, before its evaluation."""
+
+    def state_settled(self, step: int, logged: bool, saving: bool) -> None:
+        """After the step's evaluation, with its state final: `saving` when a checkpoint of it follows."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Around a part of the loop that is not a step: "evaluation" or "checkpoint"."""
+
+
+class Observers:
+    """The run's observers, each event announced to those that define it, in the order they were attached."""
+
+    def __init__(self) -> None:
+        self.attached: list[object] = []
+
+    def attach(self, observer: object) -> None:
+        """Add an observer (run.py, before the loop)."""
+        self.attached.append(observer)
+
+    def _announce(self, event: str, *args: Any) -> None:
+        for observer in self.attached:
+            fn = getattr(observer, event, None)
+            if fn is not None:
+                fn(*args)
+
+    def step_started(self, step: int) -> None:
+        """LoopObserver.step_started to each observer."""
+        self._announce("step_started", step)
+
+    def step_trained(self, step: int) -> None:
+        """LoopObserver.step_trained to each observer."""
+        self._announce("step_trained", step)
+
+    def step_logged(self, record: dict[str, Any], steps: int, seconds: float) -> None:
+        """LoopObserver.step_logged to each observer."""
+        self._announce("step_logged", record, steps, seconds)
+
+    def step_ended(self, step: int) -> None:
+        """LoopObserver.step_ended to each observer."""
+        self._announce("step_ended", step)
+
+    def state_settled(self, step: int, logged: bool, saving: bool) -> None:
+        """LoopObserver.state_settled to each observer."""
+        self._announce("state_settled", step, logged, saving)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Every observer's LoopObserver.phase around the body."""
+        with ExitStack() as stack:
+            for observer in self.attached:
+                fn = getattr(observer, "phase", None)
+                if fn is not None:
+                    stack.enter_context(fn(name))
+            yield

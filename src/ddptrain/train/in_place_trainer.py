@@ -29,9 +29,8 @@ from ddptrain.errors import ConfigError
 from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
-from ddptrain.observe.triage import Triage
+from ddptrain.train.agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.cross_group import CrossGroupGradients
-from ddptrain.train.group_agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.in_place import InPlaceSession, View
 from ddptrain.train.preemption import NO_STOP, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
@@ -93,7 +92,6 @@ class InPlaceTrainer(Trainer):
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
         self.stop_request: StopRequest | None = None
-        self.watchdog: Triage | None = None
 
     def after_resume(self) -> None:
         """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager)."""
@@ -139,10 +137,10 @@ class InPlaceTrainer(Trainer):
                 raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
 
     def waiting_for_quorum(self, why: str) -> None:
-        """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own."""
+        """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own (the
+        observers hear the step start again)."""
         log.warning("no quorum for step %d (%s); asking the Lighthouse again", self.step + 1, why)
-        if self.watchdog is not None:
-            self.watchdog.arm(self.step + 1)
+        self.observers.step_started(self.step + 1)
 
     def attempt(self, view: View, t0: float) -> StepResult | None:
         """Train this rank's share of the next global batch; the StepResult when the step was committed."""
@@ -191,7 +189,7 @@ class InPlaceTrainer(Trainer):
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
         """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, the
-        group ids in quorum order and each group's recipe (train/group_agreement.py). None: discard the step.
+        group ids in quorum order and each group's recipe (train/agreement.py). None: discard the step.
 
         A group whose heal was refused says so here, so every group discards the step (and it heals again). After
         a heal or a change of membership every group also shows its state's fingerprint: the groups that differ
@@ -246,8 +244,9 @@ class InPlaceTrainer(Trainer):
     def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
         self.writer = view.rank == 0
-        # One group writes the folder for the job (each group's rank 0 still shows its own progress).
-        self.metrics.enabled = self.certificate.enabled = self.ctx.is_main and self.writer
+        # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
+        # rank 0 logs the steps (log_train), so only it writes the certificate.
+        self.metrics.enabled = self.ctx.is_main and self.writer
         self.world_size, self.accum = ranks, mine
         members = [int(g) - 1 for g in summed[_FIXED : _FIXED + view.groups].tolist()]
         if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
@@ -289,15 +288,10 @@ class InPlaceTrainer(Trainer):
         finally:
             self.metrics.enabled = was
 
-    def fit(
-        self,
-        stop_request: StopRequest | None = None,
-        watchdog: Triage | None = None,
-        timeline: RecoveryTimeline | None = None,
-    ) -> None:
+    def fit(self, stop_request: StopRequest | None = None, timeline: RecoveryTimeline | None = None) -> None:
         """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""
-        self.stop_request, self.watchdog = stop_request, watchdog
-        super().fit(stop_request, watchdog, timeline)
+        self.stop_request = stop_request
+        super().fit(stop_request, timeline)
 
     # ---- what only the writing group does ------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,35 @@ class ReplicaCheck:
         out = [torch.empty_like(t) for _ in range(self.ctx.world_size)]
         dist.all_gather(out, t, group=self.ctx.group)
         return torch.cat(out).cpu()
+
+
+class ReplicaGuard:
+    """The replica check as an observer of the loop (train/hooks.py): on check steps and before every save, every
+    rank compares; a divergence is recorded (metrics.jsonl through `write`, the forensics file by rank 0) and
+    stops every rank (ReplicaDivergence)."""
+
+    def __init__(
+        self,
+        check: ReplicaCheck,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        write: Callable[..., None],
+        stacks: Path,
+    ) -> None:
+        self.check, self.model, self.optimizer, self.write, self.stacks = check, model, optimizer, write, stacks
+
+    def state_settled(self, step: int, logged: bool, saving: bool) -> None:
+        """All ranks, with the step's state final: check when due and before every save (a checkpoint is never
+        committed from replicas that disagree)."""
+        if not (self.check.due(step, logged) or saving):
+            return
+        record = self.check.check(step, self.model, self.optimizer)
+        if record is None:
+            return
+        self.write("event", **record)
+        if self.check.ctx.is_main:
+            write_forensics(self.stacks, record)
+        raise ReplicaDivergence(record["verdict"])
 
 
 def write_forensics(stacks_dir: Path, record: dict[str, Any]) -> None:

@@ -67,7 +67,6 @@ def resume_or_start(
         f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
         f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
     )
-    log.info(trainer.throughput.describe())
     warn_if_all_warm_up(cfg, trainer.step)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if timeline is not None:

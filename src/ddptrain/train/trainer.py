@@ -1,7 +1,8 @@
 """The Trainer: one object, plainly named steps. Read `train_step` to see a whole DDP step.
 
-fit()            loop: train_step -> log -> evaluate -> check replicas -> checkpoint, until max_steps (or an
-                 early stop, a hook's stop: train/early_stop.py, train/hooks.py)
+fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps (or an early stop, a hook's
+                 stop: train/early_stop.py, train/hooks.py); the run's observers (watchdog, throughput,
+                 certificate, stragglers, replica checks) hear the loop's events (`observers`, train/hooks.py)
 train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss (and metrics of your own) over all ranks
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,30 +32,21 @@ from ddptrain.data.kinds import data_source
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
-from ddptrain.observe.certificate import CertificateWriter, certificate_record
 from ddptrain.observe.metrics import MetricsWriter, Progress
-from ddptrain.observe.perf import StepTimer, Throughput
+from ddptrain.observe.perf import StepTimer
 from ddptrain.observe.recovery import RecoveryTimeline
-from ddptrain.observe.stragglers import StragglerMonitor
-from ddptrain.observe.triage import Triage
-from ddptrain.run_folder import stacks_dir
 from ddptrain.train.agreement import StopAgreement
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
-from ddptrain.train.data_input import training_input
+from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
-from ddptrain.train.hooks import Hooks
-from ddptrain.train.nonfinite import NonFiniteSteps
+from ddptrain.train.hooks import Hooks, Observers
 from ddptrain.train.optim import build_optimizer
-from ddptrain.train.parallel import unwrap_model
-from ddptrain.train.precision import Precision
+from ddptrain.train.parallel import by_name, is_sharded, load_full_state, local_norm, set_gradient_sync, unwrap_model
+from ddptrain.train.precision import NonFiniteSteps, Precision
 from ddptrain.train.preemption import HOOK_STOP, LEASE_LOST, NO_STOP, StopRequest
-from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, replica_groups, write_forensics
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, apply_lr, build_schedule, config_plan
-from ddptrain.train.sharded_state import by_name
-from ddptrain.train.sharding import is_sharded, load_full_state, local_norm, set_gradient_sync
-from ddptrain.train.token_mean import micro_batch_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +54,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepResult:
     """What one optimizer step produced, as device tensors (loss: this rank's mean over its micro-batches; with
-    labels, its share of the step's mean over target tokens, train/token_mean.py: the ranks' mean is that mean)."""
+    labels, its share of the step's mean over target tokens, train/data_input.py: the ranks' mean is that mean)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     skipped: torch.Tensor  # 1. when the gradient was non-finite and the update was skipped, else 0.
     seconds: float
-
-
-def _phase(watchdog: Triage | None, name: str) -> AbstractContextManager[None]:
-    # Evaluation and checkpoints have budgets of their own: they never trip the step budget.
-    return watchdog.phase(name) if watchdog is not None else nullcontext()
 
 
 class Trainer:
@@ -99,6 +86,7 @@ class Trainer:
         self.model_name = model_name(self.model, cfg.model.target)
         self.custom = CustomMetrics(cfg.train.metrics, self.model_name)
         self.hooks = Hooks()  # the Python API's (run.train sets them)
+        self.observers = Observers()  # the run's own (run.py attaches them)
         self.early_stop = build_early_stop(cfg.train.early_stop, has_validation=val_set is not None)
         self.accum = cfg.grad_accum_steps(ctx.world_size)
         self.optimizer = build_optimizer(self.model, cfg, ctx.device)
@@ -108,27 +96,9 @@ class Trainer:
         self.agreement = StopAgreement(ctx, cfg.dist.timeout_s)
         self.collate = build_collate(cfg.data, data_source(cfg.data).pad_id)  # for training and evaluation
         self.sampler, self.loader = training_input(cfg, ctx, train_set, self.collate)
-        self.tokens_per_sample: int | None = getattr(train_set, "tokens_per_sample", None)
         self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
-        flops = getattr(self.model, "flops_per_token", None)
-        self.flops_per_token: float | None = flops() if callable(flops) else None
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
-        self.throughput = Throughput(
-            ctx.device,
-            cfg.train.precision,
-            ctx.world_size,
-            cfg.train.global_batch_size,
-            self.tokens_per_sample,
-            self.flops_per_token,
-            cfg.log.peak_tflops,
-        )
-        self.certificate = CertificateWriter(cfg.run_dir, ctx.is_main)  # for `ddptrain verify-resume`
-        self.stragglers = StragglerMonitor(
-            ctx, cfg.log.straggler_every, cfg.log.straggler_factor, cfg.log.straggler_window
-        )
-        groups = replica_groups(ctx.world_size, cfg.dist.strategy, cfg.dist.shard_size or 1)
-        self.replicas = ReplicaCheck(ctx, cfg.log.replica_check_every, groups)
         self.step = 0
         self.world_size = ctx.world_size  # the ranks that took part in the last step
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
@@ -294,19 +264,13 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def fit(
-        self,
-        stop_request: StopRequest | None = None,
-        watchdog: Triage | None = None,
-        timeline: RecoveryTimeline | None = None,
-    ) -> None:
+    def fit(self, stop_request: StopRequest | None = None, timeline: RecoveryTimeline | None = None) -> None:
         """Train until train.max_steps, logging, evaluating and checkpointing on the way.
 
         stop_request: a coordinated stop (Preempted or, after Ctrl-C, Interrupted once the checkpoint is
         committed). The ranks agree on it one
         step late (train.agreement), so every rank stops after the same step without blocking any. A hook's
         stop travels the same way; it and train.early_stop end the loop normally, with `stopped_because` set.
-        watchdog: armed around each step to dump stacks when a step hangs.
         timeline: a restart's marks; the first step completes it (the `recovery` event).
         """
         cfg = self.cfg
@@ -318,16 +282,14 @@ class Trainer:
             self.stopped_because = self.early_stop_reason()
             return
         while self.step < cfg.train.max_steps:
-            if watchdog is not None:
-                watchdog.arm(self.step + 1)
+            self.observers.step_started(self.step + 1)
             result = self.train_step()
             if timeline is not None and timeline.waiting:
                 timeline.first_step(self.step, result.loss, self.metrics.write)
             level = max(stop_request.level if stop_request is not None else NO_STOP, self.hooks.level)
             agreed = self.agreement.poll(level) if stop_request is not None or self.hooks.hooks else NO_STOP
             stop = agreed != NO_STOP
-            if watchdog is not None:
-                watchdog.disarm()
+            self.observers.step_trained(self.step)
             if agreed == LEASE_LOST:  # at once: nothing of this step is logged or saved
                 raise self._lease_lost(stop_request)
             window_loss += result.loss
@@ -338,34 +300,33 @@ class Trainer:
                 self.log_train(window_loss / window_steps, window_steps, window_time, result.grad_norm)
                 window_loss.zero_()
                 window_steps, window_time = 0, 0.0
-            if self.stragglers.due(self.step):
-                self.log_stragglers()
-            verdict = self.evaluate_and_save(agreed, last, watchdog)
+            self.observers.step_ended(self.step)
+            verdict = self.evaluate_and_save(agreed, last)
             # The same verdict on every rank: an agreed hook stop, or a judgement of all-reduced evaluations.
             if verdict.stop and not last:
                 self.stopped_because = self.hooks.agreed_reason(agreed) or self.early_stop_reason()
                 break
             if stop and not last:
                 self.agreement.wait()
-                with _phase(watchdog, "checkpoint"):
+                with self.observers.phase("checkpoint"):
                     self.finish_saves()
                 raise stop_request.stop_error(self.step, agreed) if stop_request else Preempted(self.step, None)
         self.agreement.wait()
-        with _phase(watchdog, "checkpoint"):
+        with self.observers.phase("checkpoint"):
             self.finish_saves()
 
-    def evaluate_and_save(self, agreed: int, last: bool, watchdog: Triage | None) -> Verdict:
-        """All ranks, after a step's logs: evaluate when due; check the replicas and save when due, at an agreed
-        stop and at a new best evaluation. Whether to stop here: a hook's agreed stop, train.early_stop's."""
+    def evaluate_and_save(self, agreed: int, last: bool) -> Verdict:
+        """All ranks, after a step's logs: evaluate when due; save when due, at an agreed stop and at a new best
+        evaluation (the observers hear of it first: the replica check precedes every save). Whether to stop
+        here: a hook's agreed stop, train.early_stop's."""
         verdict = Verdict(improved=False, stop=agreed == HOOK_STOP)
         if self.cfg.train.eval_every and (self.step % self.cfg.train.eval_every == 0 or last):
-            with _phase(watchdog, "evaluation"):
+            with self.observers.phase("evaluation"):
                 verdict = self.log_eval(verdict)
         saving = self.checkpointer.due(self.step, last, agreed != NO_STOP or verdict.stop) or verdict.improved
-        if self.replicas.due(self.step, self.logs_at(self.step)) or saving:
-            self.check_replicas()  # before every save: a checkpoint is never committed from replicas that disagree
+        self.observers.state_settled(self.step, self.logs_at(self.step), saving)
         if saving:
-            with _phase(watchdog, "checkpoint"):
+            with self.observers.phase("checkpoint"):
                 self.save_checkpoint()
                 self.report_saves()
         return verdict
@@ -396,14 +357,11 @@ class Trainer:
         self.checkpointer.policy.require_final(self.step)
 
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
-        """All ranks: average the window's loss over ranks; rank 0 writes and shows it (the step's host reads)."""
+        """All ranks: average the window's loss over ranks; the observers see the record, rank 0 writes and shows it
+        (the step's host reads)."""
         loss = self.mean_over_ranks(mean_loss)
         skipped = self.nonfinite.take().count
         self.last_loss = loss
-        if self.ctx.is_main:
-            self.certificate.write(
-                certificate_record(self.step, loss, self.world_size, self.model, self.optimizer, self.sampler, steps)
-            )
         record: dict[str, Any] = {
             "step": self.step,
             "epoch": self.sampler.epoch,
@@ -414,7 +372,6 @@ class Trainer:
             "global_batch_size": self.cfg.train.global_batch_size,
             "grad_accum": self.accum,
             "step_time_s": seconds / steps,
-            **self.throughput.record(steps, seconds),
             **self.timer.summary(),
         }
         if self.stream_record is not None:  # a mixture: how many samples each source gave so far
@@ -426,6 +383,7 @@ class Trainer:
         merge_metrics(record, custom, self.custom.origin)
         if custom:
             record["custom_metrics"] = sorted(custom)  # how ddptrain report tells them from the built-in keys
+        self.observers.step_logged(record, steps, seconds)
         self.metrics.write("train", **record)
         self.hooks.call("on_log", record)
         shown: dict[str, Any] = {
@@ -436,23 +394,6 @@ class Trainer:
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The mean of a rank's logged value over the ranks of the step (a host read: logged steps only)."""
         return float(all_reduce_mean(self.ctx, value))
-
-    def log_stragglers(self) -> None:
-        """All ranks: compare local step times; rank 0 records them, every rank logs a straggler warning."""
-        record, warnings = self.stragglers.check(self.step, *self.timer.take_steps())
-        self.metrics.write("ranks", **record)
-        for warning in warnings:
-            log.warning(warning)
-
-    def check_replicas(self) -> None:
-        """All ranks: compare the replicas' state digests; on a divergence record the verdict and stop every rank."""
-        record = self.replicas.check(self.step, self.model, self.optimizer)
-        if record is None:
-            return
-        self.metrics.write("event", **record)
-        if self.ctx.is_main:
-            write_forensics(stacks_dir(self.cfg.run_dir), record)
-        raise ReplicaDivergence(record["verdict"])
 
     def log_eval(self, verdict: Verdict) -> Verdict:
         """All ranks evaluate; rank 0 records val_loss and val_<name>; the hooks see the record and
