@@ -27,8 +27,6 @@ from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.targets import import_target
 
-SHAPES = ("cosine", "linear", "constant")
-
 
 @dataclass(frozen=True)
 class Plan:
