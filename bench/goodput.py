@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -47,10 +46,6 @@ JOB = [
     "dist.watchdog=false",
 ]
 REFERENCE_MODEL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32"]
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _after(train: list[dict[str, Any]], t: float, past_step: int = 0) -> float | None:

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import regression  # examples/regression, on PYTHONPATH
+from helpers import load_token_datasets  # tests/, on PYTHONPATH
 
 import ddptrain
 from ddptrain.config import ModelConfig, config_from_mapping
-from ddptrain.data.dataset import load_token_datasets
 from ddptrain.models.gpt import GPT
 
 SMALL = {"dim": 4, "hidden": 16, "depth": 1}

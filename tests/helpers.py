@@ -19,6 +19,8 @@ import torch
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
+from ddptrain.data.dataset import SftDataset, TokenDataset, load_split
+from ddptrain.models.loss import extract_loss, model_output
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -183,3 +185,13 @@ def write_run_records(folder: Path, records: list[Any], name: str, max_steps: in
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (folder / "config.yaml").write_text(f"run:\n  name: {name}\ntrain:\n  max_steps: {max_steps}\n")
     return folder
+
+
+def load_token_datasets(data_dir: Path, block_size: int) -> tuple[TokenDataset | SftDataset, TokenDataset | SftDataset]:
+    """A prepared corpus's train and validation datasets."""
+    return load_split(data_dir, "train", block_size), load_split(data_dir, "val", block_size)
+
+
+def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
+    """The loss of one batch, as the trainer takes it (model_output, then extract_loss)."""
+    return extract_loss(model_output(model, batch), name)

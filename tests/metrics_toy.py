@@ -42,11 +42,6 @@ def target_mean(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"target_mean": batch[:, -1].mean()}
 
 
-def clashing(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-    """train.metrics naming a key of ddptrain's own train records."""
-    return {"lr": batch[:, -1].mean()}
-
-
 def per_sample(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     """train.metrics returning a tensor per sample, not a scalar."""
     return {"targets": batch[:, -1]}

@@ -274,21 +274,6 @@ def all_reduce_mean(ctx: DistContext, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_gather_floats(ctx: DistContext, value: float) -> list[float]:
-    """Every rank's value of one float, in rank order."""
-    if not ctx.is_distributed:
-        return [value]
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    out = [torch.zeros_like(t) for _ in range(ctx.world_size)]
-    dist.all_gather(out, t, group=ctx.group)
-    return [float(x.item()) for x in out]
-
-
-def any_rank(ctx: DistContext, flag: bool) -> bool:
-    """True on every rank when the flag is set on at least one rank."""
-    return max_over_ranks(ctx, int(flag)) > 0
-
-
 def max_over_ranks(ctx: DistContext, value: int) -> int:
     """The largest of every rank's small integer (an exit code, a flag), on every rank: one all-reduce."""
     if not ctx.is_distributed:

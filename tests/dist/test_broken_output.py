@@ -84,7 +84,7 @@ def test_ctrl_c_after_the_log_reader_died_commits_and_exits_130(how: str, tmp_pa
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    if how != "torchrun":  # plain torchrun's own exit code after a signal is torch's (see README)
+    if how != "torchrun":  # plain torchrun's own exit code after a signal is torch's (docs/exit-codes.md)
         assert code == EXIT_INTERRUPTED
     assert "step" in (tmp_path / "tee.log").read_text()  # the reader did see the first steps
     step = assert_stopped_with_checkpoint(run_dir, 1 if how == "single" else 2)

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, final_model_state, read_metrics, run_ddptrain
+from helpers import TINY, final_model_state, load_token_datasets, read_metrics, run_ddptrain
 
 from ddptrain.config import load_config
 from ddptrain.data.corpus import PrepareOptions, prepare_corpus
-from ddptrain.data.dataset import load_token_datasets
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.train.data_input import target_tokens
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import call_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_collate
@@ -21,7 +22,6 @@ from ddptrain.data.kinds import data_source
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DataError
 from ddptrain.models.gpt import GPT
-from ddptrain.models.loss import call_model
 from ddptrain.train.evaluation import evaluate_loss
 
 

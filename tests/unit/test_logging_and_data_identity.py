@@ -15,7 +15,7 @@ from ddptrain.data.identity import agree_on_data, check_same_data, corpus_identi
 from ddptrain.dist import DistContext
 from ddptrain.errors import DataError
 from ddptrain.observe.metrics import MetricsWriter
-from ddptrain.observe.runlog import PACKAGE_LOG, RankFileHandler, console_handler
+from ddptrain.observe.runlog import PACKAGE_LOG, ConsoleHandler, RankFileHandler
 
 FULL = Path("/dev/full")  # every write fails with ENOSPC
 
@@ -42,7 +42,7 @@ def test_a_full_disk_while_logging_is_one_line(tmp_path: Path, capsys: pytest.Ca
 def test_the_console_puts_progress_on_stdout_and_warnings_and_errors_on_stderr(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    handler = console_handler()
+    handler = ConsoleHandler()
     PACKAGE_LOG.addHandler(handler)
     try:
         log = logging.getLogger("ddptrain.tests")

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import load_token_datasets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.data.corpus import PrepareOptions, prepare_corpus, read_meta
-from ddptrain.data.dataset import load_token_datasets
 from ddptrain.data.shards import ShardWriter, TokenSequence
 from ddptrain.data.tokenizer import load_tokenizer_file, sha256_file, smallest_dtype
 from ddptrain.data.verify import verify_corpus

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import folder_bytes, one_line_exit_2
+from helpers import call_model, folder_bytes, load_token_datasets, one_line_exit_2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_collate
@@ -17,7 +17,6 @@ from torch.utils.data import default_collate
 from ddptrain.config import ModelConfig
 from ddptrain.data.collate import IGNORE_INDEX
 from ddptrain.data.corpus import read_meta
-from ddptrain.data.dataset import load_token_datasets
 from ddptrain.data.meta import parse_meta
 from ddptrain.data.sft import LOSS, SftSpec, parse_sft, tokenize_records
 from ddptrain.data.sft_dataset import SftDataset
@@ -27,7 +26,6 @@ from ddptrain.data.verify import verify_corpus
 from ddptrain.dist import DistContext
 from ddptrain.errors import DataError
 from ddptrain.models.gpt import GPT
-from ddptrain.models.loss import call_model
 from ddptrain.train.data_input import micro_batch_weights
 
 BYTES = Tokenizer(None, 256, None)

@@ -65,8 +65,3 @@ def load_split(
         masks = [data_dir / s["mask"]["file"] for s in meta["shards"][split]]
         return SftDataset(paths, masks, block_size, meta["dtype"], meta["eos_id"] or 0)
     return TokenDataset(paths, block_size, meta["dtype"])
-
-
-def load_token_datasets(data_dir: Path, block_size: int) -> tuple[TokenDataset | SftDataset, TokenDataset | SftDataset]:
-    """The prepared corpus's train and validation datasets."""
-    return load_split(data_dir, "train", block_size), load_split(data_dir, "val", block_size)

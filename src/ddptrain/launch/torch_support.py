@@ -33,5 +33,5 @@ def check_torch(version: str | None = None) -> None:
     if not lo <= torch_version(text) < hi:
         raise LaunchError(
             f"torch {text} is not supported by ddptrain launch (tested: >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}); "
-            "install a supported torch (README: Installation)"
+            "install a supported torch (docs/install.md)"
         )

@@ -67,8 +67,3 @@ def model_output(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)  # a tensor: unpacking it would pass each sample of the batch as an argument of its own
-
-
-def call_model(model: torch.nn.Module, batch: Any, name: str) -> torch.Tensor:
-    """The loss of one batch (model_output, then extract_loss)."""
-    return extract_loss(model_output(model, batch), name)

@@ -136,12 +136,6 @@ def stop_rank_files() -> None:
             handler.stop()
 
 
-def console_handler(stream: TextIO | None = None) -> ConsoleHandler:
-    """A console handler (info to stdout, warnings and errors to stderr by default), for rank 0 or a command
-    that wants log lines shown."""
-    return ConsoleHandler(stream)
-
-
 @contextmanager
 def run_logging(
     run_dir: Path, rank: int, world_size: int, hostname: str, console: bool | None = None, hold: bool = False
