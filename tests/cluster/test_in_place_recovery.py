@@ -9,7 +9,6 @@ ids equal, every step committed exactly once. Each test prints MEASURED lines (r
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
 import sys
@@ -126,7 +125,9 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
 
     job = FaultTolerantJob(cluster, tmp_path)
     job.start_lighthouse()
-    time.sleep(1.0)
+    job.wait_for(
+        "the Lighthouse listening", lambda: f"{job.lighthouse} " in cluster.nodes[0].exec("ss", "-Hltn").stdout
+    )
     # Both future donors carry a drill: the first state either sends is corrupted (it must be refused).
     pids = {0: job.start_group(0).pid}
     pids |= {g: job.start_group(g, DDPTRAIN_FT_INJECT="corrupt_send").pid for g in (1, 2)}
@@ -137,13 +138,15 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     for node in cluster.nodes:  # every server binds the host's address or loopback, never all interfaces
         assert listening(node) <= {node.addr, "127.0.0.1"}, (node.hostname, listening(node))
 
-    time.sleep(random.uniform(0.0, 0.2))  # a random moment of a step: forward, all-reduce, quorum or commit
+    # Killed the moment a step is seen committed: the survivors are somewhere in the next step (forward,
+    # all-reduce, quorum or commit); every moment must give the same outcome, so none is drawn at random.
     job.groups[0].send_signal(signal.SIGKILL)  # the group that writes the folder
     killed_at = time.time()
     job.groups[0].wait(timeout=10)  # reaped, as a launcher would: its lease is then provably free
     first = job.wait_for("a step committed by the survivors", lambda: job.committed_after(killed_at))
     stall = first["time"] - killed_at
-    time.sleep(1.0)
+    # The replacement starts once the survivors' quorum without group 0 is recorded (not after a guessed delay).
+    job.wait_for("the quorum without group 0", lambda: any(r.get("left") == [0] for r in job.records()))
     started = time.time()
     job.start_group(0)
     joined = job.wait_for(
