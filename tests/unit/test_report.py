@@ -90,9 +90,8 @@ def test_report_on_a_run_killed_mid_way(
     cmd = [sys.executable, "-m", "ddptrain", "train", *tiny_args, "train.max_steps=100000", "train.eval_every=4"]
     proc = subprocess.Popen(cmd, env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 60
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while proc.poll() is None:
             if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 8:
                 break
             time.sleep(0.2)
