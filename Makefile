@@ -54,7 +54,7 @@ format: venv
 	$(VENV)/bin/ruff format src tests bench examples
 
 test-unit: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not measure" tests/unit
 
 test-dist: venv
 	$(PY) -m pytest -q tests/dist

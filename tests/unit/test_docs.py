@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TINY, run_ddptrain
+from helpers import TINY
 
 from ddptrain.cli import main
 from ddptrain.config import Config, describe_fields, load_config
@@ -230,20 +230,10 @@ def check_help_config(command: str, tmp: Path) -> None:
 def check_train_output_shape(command: str, tmp: Path, corpus_dir: Path) -> None:
     """Training prints lines of the shapes README's sample shows (a tiny model: numbers differ)."""
     shapes = [_shape(line) for line in _block_after(ROOT / "README.md", "then trains a 0.84M") if line != "..."]
-    proc = run_ddptrain(
-        [
-            "train",
-            *TINY,
-            f"data.dir={corpus_dir}",
-            "train.max_steps=20",
-            "log.every_steps=10",
-            "train.eval_every=10",
-            "ckpt.every_steps=10",
-        ],
-        cwd=tmp,
-    )
-    assert proc.returncode == 0, proc.stderr
-    printed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    argv = ["train", *TINY, f"data.dir={corpus_dir}", "train.max_steps=20", "log.every_steps=10"]
+    rc, out, err = _ddptrain([*argv, "train.eval_every=10", "ckpt.every_steps=10"], tmp)
+    assert rc == 0, err
+    printed = [line for line in (out + err).splitlines() if line.strip()]
     for line in printed:
         assert any(s.match(line) for s in shapes), f"{line!r} has no line of its shape in README's sample"
     for kind in (

@@ -170,8 +170,10 @@ def test_any_interpreter_path_runs_the_lighthouse_as_one_word(folder: str) -> No
         assert (
             argv[argv.index("--replica-group") + 1] == "0" and argv[argv.index("--lighthouse") + 1] == "10.0.0.7:10042"
         )
-        deadline = time.monotonic() + 10  # the Lighthouse step runs beside the training step: it may come second
-        while not lighthouse.exists() and time.monotonic() < deadline:
+        # The Lighthouse step runs beside the training step: it may come second, and its record is written
+        # after the file is created. Waiting for the whole record (5 words) is bounded only as a hang guard.
+        deadline = time.monotonic() + 120
+        while (not lighthouse.exists() or lighthouse.read_bytes().count(b"\0") < 5) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lighthouse.read_bytes().decode().split("\0")[:-1] == [
             "-m",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -16,10 +17,11 @@ from hypothesis import strategies as st
 from ddptrain.config import AdapterConfig, ModelConfig, load_config
 from ddptrain.errors import ConfigError
 from ddptrain.models.gpt import GPT
+from ddptrain.models.peft import add_adapters, merge_adapters, state_digest
 
-pytest.importorskip("peft", reason="needs the peft extra")
-
-from ddptrain.models.peft import add_adapters, merge_adapters, state_digest  # noqa: E402
+# find_spec, not importorskip: importing peft (transformers, torch._dynamo, scipy) takes seconds, which every
+# pytest worker would spend while collecting; the tests that adapt a model import it when they need it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs the peft extra")
 
 SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8}
 

@@ -171,7 +171,7 @@ def test_a_killed_preparers_lock_and_private_folder_are_recovered(tmp_path: Path
     assert {n: b for n, b in _files(out).items() if n != "notes.txt"} == _files(reference)
 
 
-@given(corpora=st.lists(st.tuples(st.integers(1, 3), st.sampled_from([900, 4000, 1 << 20])), min_size=1, max_size=4))
+@given(corpora=st.lists(st.tuples(st.integers(1, 3), st.sampled_from([9000, 40_000, 1 << 20])), min_size=1, max_size=4))
 @settings(max_examples=12, deadline=None)
 def test_publishing_replaces_only_what_prepare_wrote(tmp_path_factory: pytest.TempPathFactory, corpora: list) -> None:  # type: ignore[type-arg]
     """Corpora of other files and shard counts prepared over each other with --force: after each the folder is

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from ddptrain.cli import main
 from ddptrain.errors import LaunchError
@@ -84,6 +85,14 @@ def test_rendezvous_options_are_documented_per_backend() -> None:
     assert not {"keep_alive_interval", "is_host"} & set(KEYS["etcd"])
 
 
+def _shut_down(handler: RendezvousHandler) -> None:
+    """handler.shutdown() on a thread of its own: torch's shutdown logs each state change with the caller's
+    name from inspect.stack(), which reads every frame's source; a fresh thread's stack is a few frames deep,
+    a test's (pytest's and hypothesis's) about a hundred, which made each shutdown take a third of a second."""
+    with ThreadPoolExecutor(1) as closer:
+        closer.submit(handler.shutdown).result()  # raises what shutdown raised
+
+
 BAD_VALUES = st.sampled_from(["abc", "-1", "0", " 7", "+5", "5_0", "1e3", "yes", "700000"])
 
 
@@ -120,4 +129,4 @@ def test_what_is_accepted_torch_takes_as_given(items: dict[str, str]) -> None:
         if "close_timeout" in parsed:
             assert settings_.timeout.close == timedelta(seconds=int(parsed["close_timeout"]))
     finally:
-        handler.shutdown()
+        _shut_down(handler)

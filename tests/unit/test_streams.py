@@ -46,9 +46,12 @@ def test_a_closed_stream_object_is_not_an_error() -> None:
 def test_at_exit_a_broken_stdout_keeps_the_exit_code(flushed: bool) -> None:
     """Python exits 120 when its last flush of stdout fails; flush_standard_streams() keeps the program's code."""
     code = LOAD_STREAMS + textwrap.dedent(f"""
-        import sys, time
+        import select, sys, time
         sys.stdout.write("x" * 100)  # buffered: the exit flush is the first write to the pipe
-        time.sleep(0.5)  # the reader has gone by now
+        poll = select.poll()
+        poll.register(1, select.POLLOUT)
+        while not any(event & select.POLLERR for _, event in poll.poll()):  # until the reader has gone
+            time.sleep(0.01)
         if {flushed}:
             streams.flush_standard_streams()
         raise SystemExit(130)

@@ -142,9 +142,8 @@ def test_a_down_tracker_never_blocks_and_close_is_bounded(tmp_path: Path) -> Non
     log(tmp_path, sink, event("start", 0, world_size=1))
     for step in range(1, 101):
         log(tmp_path, sink, train(step))  # returns at once: the queue keeps the newest 10
-    began = time.monotonic()
     sink.close("completed")
-    assert time.monotonic() - began < 10  # flush_s=1 plus the join margin, not the retry schedule
+    assert not sink._thread.is_alive()  # the delivery thread stopped at the flush deadline, not the retry schedule
     assert sum("retrying every" in m for m in messages) == 1, messages
     assert any("gave up after log.tracker_flush_s=1s" in m for m in messages), messages
     assert sink.dropped == 101 - 10  # 101 records queued, the newest 10 kept
@@ -162,7 +161,8 @@ def test_outage_delivers_the_newest_records_and_counts_the_rest(tmp_path: Path) 
     server.down.set()
     for step in range(2, 21):
         log(tmp_path, sink, train(step))
-    time.sleep(1.5)  # at least one failed retry
+    while not any("retrying every" in m for m in messages):  # a delivery failed: the outage was seen
+        time.sleep(0.01)
     server.down.clear()
     sink.close("completed")
     steps = loss_steps(server, "run0")

@@ -3,6 +3,7 @@ sample accounting."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -39,21 +40,25 @@ def test_budget_is_k_times_p99_plus_margin_after_warmup_and_fires_on_a_stall() -
     wd, fired, logged, done = _watchdog(
         Budgets(True, k=3.0, margin_s=0.3, warmup_steps=5, max_s=60.0, eval_s=60.0, checkpoint_s=60.0)
     )
-    for step in range(1, 10):  # 2 uncounted + 7 timed steps of ~20 ms
+    for step in range(1, 10):  # 2 uncounted + 7 timed steps of at least 20 ms
         wd.arm(step)
         time.sleep(0.02)
         wd.disarm()
-    assert wd.step_budget_s < 1.0 and logged and "3 x p99 0.0" in logged[0] and "+ margin 0.3 s" in logged[0]
+    derivation = re.fullmatch(
+        r"3 x p99 (\d+\.\d{3}) s \+ margin 0\.3 s = (\d+\.\d\d) s, p99 of the last 5 steps", wd.derivation
+    )
+    assert derivation and logged == [f"watchdog: step budget {wd.derivation}"], (wd.derivation, logged)
+    p99 = float(derivation[1])
+    assert p99 >= 0.02 and wd.step_budget_s == pytest.approx(3 * p99 + 0.3, abs=0.002)
     with wd.phase("evaluation"):
         time.sleep(wd.step_budget_s + 0.3)  # an evaluation longer than a step budget: its own budget applies
     assert not fired
     wd.arm(10)
-    t0 = time.monotonic()
-    assert done.wait(10), "the watchdog did not fire"
-    elapsed = time.monotonic() - t0
+    assert done.wait(60), "the watchdog did not fire"
     wd.stop()
-    assert fired[0].step == 10 and fired[0].phase == "step"
-    assert wd.step_budget_s <= elapsed < wd.step_budget_s + 0.5
+    hang = fired[0]
+    assert (hang.step, hang.phase, hang.budget_s, hang.derivation) == (10, "step", wd.step_budget_s, wd.derivation)
+    assert hang.waited_s > hang.budget_s  # it fired on the stall, once the step had outlasted its budget
 
 
 @pytest.mark.timeout(30)
