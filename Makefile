@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddptrain-installed
 
-.PHONY: venv train test test-measure test-unit test-dist test-cluster lint format bench clean
+.PHONY: venv train test test-measure test-explore test-unit test-dist test-cluster lint format bench clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ test: venv
 
 test-measure: venv
 	$(PY) -m pytest -q -m measure tests
+
+# The property tests with fresh random examples (`make test` draws the same ones every run: tests/conftest.py).
+test-explore: venv
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 # Style, types and layers: ruff (lint + format check) on everything, mypy --strict on src/, and
 # import-linter's contracts (the layers, no import circle; pyproject.toml). All pinned in the dev extra,

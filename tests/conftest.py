@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import TESTS_DIR, TINY, prepare_tiny_corpus
+from hypothesis import settings
+
+# `make test` draws the same hypothesis examples on every run, so a failure it shows is there every time,
+# never the luck of one draw; `make test-explore` (HYPOTHESIS_PROFILE=explore) draws new ones each run to
+# find what the fixed ones miss: a case it finds becomes an @example of its test.
+settings.register_profile("fixed", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 # The folder decides the marker, so `-m "not dist and not cluster"` selects exactly tests/unit even
 # if a file forgets its `pytestmark` line (tests/unit/test_markers.py checks that none does).

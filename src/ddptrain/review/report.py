@@ -357,7 +357,8 @@ def _checkpoint_lines(run_dir: Path, events: list[dict[str, Any]], ranks: list[d
     )
     if ranks:
         flagged = [r for r in ranks if "straggler_rank" in r]
-        who = sorted({f"rank {r['straggler_rank']} on {r['straggler_host']}" for r in flagged})
+        # A record's fields are what a version wrote, or what a damaged file kept: a flag without its host still counts.
+        who = sorted({f"rank {r['straggler_rank']} on {r.get('straggler_host', 'an unknown host')}" for r in flagged})
         lines.append(
             f"stragglers: flagged in {len(flagged)} of {len(ranks)} checks" + (f" ({'; '.join(who)})" if who else "")
         )
