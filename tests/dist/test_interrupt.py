@@ -48,6 +48,15 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeo
     pytest.fail(f"step {step} not reached")
 
 
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if text in log.read_text():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"{text!r} not printed: {log.read_text()[-2000:]}")
+
+
 def assert_interrupted_with_checkpoint(run_dir: Path, log: Path, agent_traceback: bool = False) -> int:
     """The interrupted event's step, checked against the committed checkpoint and the metrics."""
     [event] = [r for r in read_metrics(run_dir, "event") if r["event"] == "interrupted"]
@@ -129,20 +138,18 @@ def test_ctrl_c_to_plain_torchrun_stops_both_ranks_with_a_checkpoint(tmp_path: P
 
 @pytest.mark.timeout(180)
 def test_a_second_ctrl_c_quits_at_once(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    # 2 micro-batches x 6 s: a step takes 12 s, so a prompt exit cannot have waited for it.
-    proc = start(["train", *TOY, "model.kwargs.step_sleep=6", "log.every_steps=1", f"run.dir={run_dir}"],
-                 tmp_path / "log")
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    # 2 micro-batches x 3 s: the step in progress when the second Ctrl-C comes still has seconds to go.
+    proc = start(["train", *TOY, "model.kwargs.step_sleep=3", "log.every_steps=1", f"run.dir={run_dir}"], log)
     wait_for_step(run_dir, 1, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)  # the step in progress still has seconds to go
+    wait_for_line(log, "Ctrl-C again to quit at once", proc)  # the first one is being handled
+    proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == EXIT_INTERRUPTED
-    assert time.monotonic() - sent < 8, "the second Ctrl-C waited for the step"
-    assert not committed_checkpoints(run_dir / "checkpoints")  # quit, not stopped: nothing was saved
-    text = (tmp_path / "log").read_text()
-    assert "Ctrl-C again to quit at once" in text
+    # Quit, not stopped: the step in progress never finished (no record of it) and nothing was saved.
+    assert [r["step"] for r in read_metrics(run_dir)] == [1], "the second Ctrl-C waited for the step"
+    assert not committed_checkpoints(run_dir / "checkpoints")
+    text = log.read_text()
     assert "ddptrain train: error: interrupted by SIGINT, then quit at once on Ctrl-C at step" in text
     assert "Traceback" not in text
 
