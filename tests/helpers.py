@@ -1,4 +1,4 @@
-"""Helpers for tests that run the real `ddptrain` command, alone or under torchrun."""
+"""Helpers for tests that run the real `ddptrain` command, alone or on several local workers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -84,13 +84,19 @@ def run_ddptrain(
     args: list[str],
     *,
     nproc: int = 0,
+    launcher: Literal["launch", "torchrun"] = "launch",
     timeout: float = 120,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     max_file_bytes: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0.
+    """`python -m ddptrain ARGS`, or with nproc > 0 the same command on N local workers.
 
+    The workers start through `ddptrain launch --nproc-per-node N --max-restarts 0 -- ARGS` (forked from its
+    preloaded server: torch is imported once, not once per worker), or with launcher="torchrun" through plain
+    `torchrun --standalone --nproc-per-node N -m ddptrain ARGS`, for the tests about torchrun's own agent.
+    With no restarts both end the job at the first failed worker; launch exits with that worker's code when
+    it is 2, 73, 75 or 130, and 1 otherwise (torchrun: 1 whatever the worker's code).
     max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
     """
 
@@ -98,17 +104,12 @@ def run_ddptrain(
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
-    if nproc:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "ddptrain",
-            *args,
-        ]
+    if nproc and launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += ["-m", "ddptrain", *args]
+    elif nproc:
+        cmd = [sys.executable, "-m", "ddptrain", "launch", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+        cmd += ["--", *args]
     else:
         cmd = [sys.executable, "-m", "ddptrain", *args]
     return subprocess.run(
