@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte corpus (a few standard-library modules), prepared once per session."""
     return prepare_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where helpers.cached_run keeps reference runs: one folder for the session, shared by pytest-xdist's
+    workers (each has a base temp folder of its own under the session's)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-runs"
 
 
 @pytest.fixture

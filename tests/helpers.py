@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,26 +18,12 @@ from typing import Any, Literal
 
 import pytest
 import torch
+from toys import TINY
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
 
 TESTS_DIR = Path(__file__).resolve().parent
-
-# A GPT small enough that a step takes milliseconds on one CPU core.
-TINY = [
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "train.max_steps=6",
-    "train.warmup_steps=2",
-    "train.eval_every=0",
-    "log.every_steps=1",
-    "ckpt.every_steps=3",
-]
 
 
 def prepare_tiny_corpus(out: Path) -> Path:
@@ -121,6 +109,27 @@ def run_ddptrain(
         cwd=cwd,
         preexec_fn=limit if max_file_bytes is not None else None,
     )
+
+
+def cached_run(
+    cache: Path, args: list[str], *, nproc: int = 0, launcher: Literal["launch", "torchrun"] = "launch"
+) -> Path:
+    """The run folder of `ddptrain ARGS` (nproc as in run_ddptrain; "{out}" in ARGS stands for that folder),
+    trained once per cache: the uninterrupted reference runs that several tests compare with. A file lock
+    lets pytest-xdist's workers share one cache folder; the tests only read the folder."""
+    key = hashlib.sha256(json.dumps([args, nproc, launcher]).encode()).hexdigest()[:16]
+    folder = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / "trained").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a run that failed before in this session
+            done = run_ddptrain(
+                [a.replace("{out}", str(folder)) for a in args], nproc=nproc, launcher=launcher, timeout=240
+            )
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+            (folder / "trained").touch()
+    return folder
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
