@@ -118,6 +118,18 @@ def test_without_torchft_installed_the_mode_says_which_extra(tmp_path: Path) -> 
     assert "pip install 'ddptrain[ft]'" in one_error_line(done)
 
 
+# `python -m ddptrain ARGS` once the file argv[1] exists, with its imports done before: a start that takes no time.
+HELD_BACK = """
+import pathlib, runpy, sys, time
+import ddptrain.cli, ddptrain.run
+gate = pathlib.Path(sys.argv.pop(1))
+while not gate.exists():
+    time.sleep(0.05)
+sys.argv[0] = "ddptrain"
+runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_groups(tmp_path: Path, commands: list[tuple[list[str], dict[str, str]]]) -> list[int]:
     """Start one process per replica group (output in tmp_path/group<g>.log) and return their exit codes."""
     logs = [open(tmp_path / f"group{g}.log", "wb") for g in range(len(commands))]
@@ -149,11 +161,18 @@ def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_chec
     donor = subprocess.Popen(
         argv, env=ft_env(1, lighthouse, DDPTRAIN_FT_INJECT="die_in_send"), stdout=logs[1], stderr=subprocess.STDOUT
     )
+    # The joiner imports torch meanwhile and starts training the moment the donor's checkpoint is durable: the
+    # donor must still be training when it joins, however slowly this machine starts an interpreter.
+    gate = tmp_path / "join-now"
+    joiner = subprocess.Popen(
+        [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]], env=ft_env(0, lighthouse), stdout=logs[0],
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 90
     while not any(r.get("event") == "checkpoint" for r in records(run_dir)):
         assert time.monotonic() < deadline and donor.poll() is None, (tmp_path / "group1.log").read_text()[-3000:]
         time.sleep(0.1)
-    joiner = subprocess.Popen(argv, env=ft_env(0, lighthouse), stdout=logs[0], stderr=subprocess.STDOUT)
+    gate.touch()
     try:
         assert donor.wait(timeout=90) == -signal.SIGKILL  # the drill: it died while sending its state
         assert joiner.wait(timeout=90) == 0, (tmp_path / "group0.log").read_text()[-3000:]
