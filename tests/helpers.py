@@ -68,11 +68,19 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+def default_launcher() -> Literal["launch", "torchrun"]:
+    """The launcher of run_ddptrain's multi-worker runs when a test names none: DDPTRAIN_TEST_LAUNCHER, else launch."""
+    name = os.environ.get("DDPTRAIN_TEST_LAUNCHER", "launch")
+    if name not in ("launch", "torchrun"):
+        raise ValueError(f"DDPTRAIN_TEST_LAUNCHER={name!r}: use launch or torchrun")
+    return "torchrun" if name == "torchrun" else "launch"
+
+
 def run_ddptrain(
     args: list[str],
     *,
     nproc: int = 0,
-    launcher: Literal["launch", "torchrun"] = "launch",
+    launcher: Literal["launch", "torchrun"] | None = None,
     timeout: float = 120,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
@@ -84,7 +92,8 @@ def run_ddptrain(
     preloaded server: torch is imported once, not once per worker), or with launcher="torchrun" through plain
     `torchrun --standalone --nproc-per-node N -m ddptrain ARGS`, for the tests about torchrun's own agent.
     With no restarts both end the job at the first failed worker; launch exits with that worker's code when
-    it is 2, 73, 75 or 130, and 1 otherwise (torchrun: 1 whatever the worker's code).
+    it is 2, 73, 75 or 130, and 1 otherwise (torchrun: 1 whatever the worker's code). Left out, the launcher is
+    DDPTRAIN_TEST_LAUNCHER's (launch or torchrun; default launch), to compare the two on a machine.
     max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
     """
 
@@ -92,6 +101,7 @@ def run_ddptrain(
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
+    launcher = launcher or default_launcher()
     if nproc and launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "ddptrain", *args]
