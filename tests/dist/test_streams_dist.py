@@ -51,8 +51,7 @@ def test_a_stream_killed_at_2_ranks_resumes_at_another_world_size_without_losing
     accum = BATCH // (2 * MICRO)
     dying = args(run_dir, killed, stateful, workers, die_at_call=4 * accum + 2)  # rank 0, step 5: after the save at 3
     # Plain torchrun: under `ddptrain launch` this kill (rank 0, with 2 DataLoader workers) once outlasted the
-    # 180 s timeout on a loaded machine (not reproduced since; see the issue 39 notes). Its workers' store is
-    # the agent's here, not rank 0's.
+    # 180 s timeout on a loaded machine (not reproduced since, cause not found).
     assert run_ddptrain(dying, nproc=2, timeout=180, launcher="torchrun").returncode != 0
     assert (tmp_path / "killed").is_file()
     done = run_ddptrain(args(run_dir, resumed, stateful, workers), nproc=later if later > 1 else 0, timeout=180)
