@@ -35,7 +35,7 @@ TEST_WORKERS ?= 2
 # They run in `make test-measure`, alone and one at a time, so that no other test competes for the
 # cores while they time the ranks; their figures go to docs/observability.md and docs/benchmarks.md.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not measure" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not measure" --durations=25 tests
 
 test-measure: venv
 	$(PY) -m pytest -q -m measure tests

@@ -54,6 +54,14 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+@pytest.fixture(scope="session")
+def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where helpers.cached_run keeps reference runs: one folder for the session, shared by pytest-xdist's
+    workers (each has a base temp folder of its own under the session's)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference-runs"
+
+
 @pytest.fixture
 def tiny_args(corpus_dir: Path, tmp_path: Path) -> list[str]:
     """Overrides for a tiny GPT on the tiny corpus, writing into this test's tmp folder."""

@@ -1,21 +1,24 @@
-"""Helpers for tests that run the real `ddptrain` command, alone or under torchrun."""
+"""Helpers for tests that run the real `ddptrain` command, alone or on several local workers."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
+from toys import TINY
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
@@ -23,21 +26,6 @@ from ddptrain.data.dataset import SftDataset, TokenDataset, load_split
 from ddptrain.models.loss import extract_loss, model_output
 
 TESTS_DIR = Path(__file__).resolve().parent
-
-# A GPT small enough that a step takes milliseconds on one CPU core.
-TINY = [
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "model.block_size=32",
-    "data.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "train.max_steps=6",
-    "train.warmup_steps=2",
-    "train.eval_every=0",
-    "log.every_steps=1",
-    "ckpt.every_steps=3",
-]
 
 
 def prepare_tiny_corpus(out: Path) -> Path:
@@ -82,17 +70,32 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+def default_launcher() -> Literal["launch", "torchrun"]:
+    """The launcher of run_ddptrain's multi-worker runs when a test names none: DDPTRAIN_TEST_LAUNCHER, else launch."""
+    name = os.environ.get("DDPTRAIN_TEST_LAUNCHER", "launch")
+    if name not in ("launch", "torchrun"):
+        raise ValueError(f"DDPTRAIN_TEST_LAUNCHER={name!r}: use launch or torchrun")
+    return "torchrun" if name == "torchrun" else "launch"
+
+
 def run_ddptrain(
     args: list[str],
     *,
     nproc: int = 0,
+    launcher: Literal["launch", "torchrun"] | None = None,
     timeout: float = 120,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     max_file_bytes: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS`, or under `torchrun --standalone --nproc-per-node N` when nproc > 0.
+    """`python -m ddptrain ARGS`, or with nproc > 0 the same command on N local workers.
 
+    The workers start through `ddptrain launch --nproc-per-node N --max-restarts 0 -- ARGS` (forked from its
+    preloaded server: torch is imported once, not once per worker), or with launcher="torchrun" through plain
+    `torchrun --standalone --nproc-per-node N -m ddptrain ARGS`, for the tests about torchrun's own agent.
+    With no restarts both end the job at the first failed worker; launch exits with that worker's code when
+    it is 2, 73, 75 or 130, and 1 otherwise (torchrun: 1 whatever the worker's code). Left out, the launcher is
+    DDPTRAIN_TEST_LAUNCHER's (launch or torchrun; default launch), to compare the two on a machine.
     max_file_bytes sets RLIMIT_FSIZE (`ulimit -f`) for the processes: a larger write fails with EFBIG.
     """
 
@@ -100,17 +103,13 @@ def run_ddptrain(
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
-    if nproc:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "ddptrain",
-            *args,
-        ]
+    launcher = launcher or default_launcher()
+    if nproc and launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += ["-m", "ddptrain", *args]
+    elif nproc:
+        cmd = [sys.executable, "-m", "ddptrain", "launch", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+        cmd += ["--", *args]
     else:
         cmd = [sys.executable, "-m", "ddptrain", *args]
     return subprocess.run(
@@ -122,6 +121,27 @@ def run_ddptrain(
         cwd=cwd,
         preexec_fn=limit if max_file_bytes is not None else None,
     )
+
+
+def cached_run(
+    cache: Path, args: list[str], *, nproc: int = 0, launcher: Literal["launch", "torchrun"] = "launch"
+) -> Path:
+    """The run folder of `ddptrain ARGS` (nproc as in run_ddptrain; "{out}" in ARGS stands for that folder),
+    trained once per cache: the uninterrupted reference runs that several tests compare with. A file lock
+    lets pytest-xdist's workers share one cache folder; the tests only read the folder."""
+    key = hashlib.sha256(json.dumps([args, nproc, launcher]).encode()).hexdigest()[:16]
+    folder = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / "trained").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a run that failed before in this session
+            done = run_ddptrain(
+                [a.replace("{out}", str(folder)) for a in args], nproc=nproc, launcher=launcher, timeout=240
+            )
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+            (folder / "trained").touch()
+    return folder
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:

@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 from helpers import env_for_subprocess
+from toys import FAULTY
 
 from ddptrain.run_folder import LEASE
 from ddptrain.errors import EXIT_LEASE_LOST
 
 pytestmark = pytest.mark.dist
 
-TOY = [
-    "model.target=faulty:build_model",
-    "data.target=toy:build_datasets",
-    "data.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "train.warmup_steps=2",
-    "train.eval_every=0",
-    "model.kwargs.step_sleep=0.02",
-]
+TOY = [*FAULTY, "model.kwargs.step_sleep=0.02"]
 
 
 def start(args: list[str], out: Path, launch: list[str] = []) -> subprocess.Popen[str]:  # noqa: B006 - never mutated

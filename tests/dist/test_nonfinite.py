@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from helpers import read_metrics, run_ddptrain
+from toys import FAULTY
 
 pytestmark = pytest.mark.dist
 
 NAN_ON_RANK1_AT_STEP5 = [
-    "model.target=faulty:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
-    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1",
-    "ckpt.every_steps=0", "train.max_steps=8", "model.kwargs.nan_at=5", "model.kwargs.nan_rank=1",
+    *FAULTY, "log.every_steps=1", "ckpt.every_steps=0", "train.max_steps=8", "model.kwargs.nan_at=5",
+    "model.kwargs.nan_rank=1",
 ]
 
 

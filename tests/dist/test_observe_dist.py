@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,26 +20,29 @@ def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path:
     run_dir = tmp_path / "run"
     args = ["train", "model.target=observe_toy:build_slow_model", "model.kwargs={slow_rank: 1, sleep_s: 0.04}",
             "data.target=toy:build_datasets", "data.micro_batch_size=4", "train.global_batch_size=16",
-            "train.max_steps=12", "train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=2",
+            "train.max_steps=16", "train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=2",
             "log.straggler_every=4", "log.straggler_window=4", f"run.dir={run_dir}"]
     proc = run_ddptrain(args, nproc=2, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     host = socket.gethostname()
-    # the window is full at step 4 (first strike), confirmed at the next check
-    assert f"warning: straggler at step 8: rank 1 on {host} computes" in proc.stderr  # a warning: stderr
-    assert proc.stderr.count("warning: straggler") == 1  # warned once for the episode
     checks = read_metrics(run_dir, "ranks")
-    assert [c["step"] for c in checks] == [4, 8, 12]
+    assert [c["step"] for c in checks] == [4, 8, 12, 16]
     for c in checks:
         assert c["hosts"] == [host, host] and len(c["local_step_s"]) == 2
-        assert c["local_step_s"][1] > c["local_step_s"][0] * 1.5 and c["ratios"][1] > 1.5
-    assert [c.get("straggler_rank") for c in checks] == [None, 1, 1]
-    assert all(c["straggler_host"] == host for c in checks[1:])
+    named = [c.get("straggler_rank") for c in checks]
+    # The window is full at step 4: a first strike is never named; a later check confirms it. Which check
+    # confirms it depends on the machine's load (rank 0 may be slowed too), so only the order is asserted.
+    assert named[0] is None and 1 in named and set(named) <= {None, 1}, checks
+    first = checks[named.index(1)]
+    assert first["straggler_host"] == host and first["ratios"][1] > 1.15  # named above log.straggler_factor
+    step = first["step"]
+    assert f"warning: straggler at step {step}: rank 1 on {host} computes" in proc.stderr  # a warning: stderr
+    assert proc.stderr.count("warning: straggler") == 1  # warned once for the episode
     train = read_metrics(run_dir)
     # grad accumulation 2: rank 0 waits for rank 1 in the all-reduce of the last micro-batch
     assert all(r["exposed_comm_s"] > 0 for r in train)
     assert all(r["comm_wait_s"] >= 0 for r in train)  # the comm hook measured the last backward's wait
-    assert "rank 1 WARNING ddptrain.observe.stragglers: straggler at step 8" in (run_dir / "logs" / "rank-1.log").read_text()
+    assert f"rank 1 WARNING ddptrain.observe.stragglers: straggler at step {step}" in (run_dir / "logs" / "rank-1.log").read_text()
     assert "rank 1 of 2" in (run_dir / "logs" / "rank-1.log").read_text()
 
 
@@ -75,12 +77,10 @@ def test_doctor_fails_fast_on_an_unreachable_rendezvous(rank: int, expected: str
     port = _closed_port()
     env = env_for_subprocess({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ddptrain", "doctor", "--timeout", "3"], env=env,
                           capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "FAIL  rendezvous" in out and expected.format(port=port) in out
+    # "within 3s" above is doctor's own bound; timeout=60 fails the test if it waited for torch's 30 min default.
     assert out.rstrip().endswith("verdict: FAIL (rendezvous)") and "Traceback" not in out
-    assert elapsed < 45  # 3 s of rendezvous plus start-up: fails fast, nowhere near torch's 30 min default

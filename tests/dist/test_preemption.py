@@ -14,15 +14,12 @@ import torch
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
 from ddptrain.errors import EXIT_PREEMPTED
-from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
+from toys import STOPPABLE
 
 pytestmark = pytest.mark.dist
 
-TOY = [
-    "model.target=faulty:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
-    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_every=0", "log.every_steps=1",
-    "ckpt.every_steps=10", "train.max_steps=40",
-]
+TOY = STOPPABLE
 SLOW = "model.kwargs.step_sleep=0.1"
 
 
@@ -43,7 +40,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeo
 
 
 @pytest.mark.timeout(300)
-def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path: Path) -> None:
+def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path: Path, reference_cache: Path) -> None:
     run_dir = tmp_path / "run"
     argv = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "20", "--", "train", *TOY, SLOW, f"run.dir={run_dir}"]
     proc = start(argv, tmp_path / "first.log")
@@ -58,9 +55,8 @@ def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path:
     again = start(argv, tmp_path / "second.log")
     assert again.wait(150) == 0, (tmp_path / "second.log").read_text()[-3000:]
     assert [r["step"] for r in read_metrics(run_dir, "event") if r["event"] == "resume"] == [preempted["step"]]
-    reference = tmp_path / "reference"
-    done = run_ddptrain(["train", *TOY, f"run.dir={reference}"], nproc=2, timeout=150)  # plain torchrun
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The uninterrupted run under plain torchrun, shared with test_interrupt.py.
+    reference = cached_run(reference_cache, ["train", *TOY, "run.dir={out}"], nproc=2, launcher="torchrun")
     for k, v in final_model_state(reference).items():
         assert torch.equal(final_model_state(run_dir)[k], v), k
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -135,7 +135,7 @@ def consumed_ids(record_dir: Path) -> list[int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("w1", "w2"), [(2, 1), (1, 2)])
-def test_world_size_change_neither_skips_nor_repeats(tmp_path: Path, w1: int, w2: int) -> None:
+def test_world_size_change_neither_skips_nor_repeats(tmp_path: Path, reference_cache: Path, w1: int, w2: int) -> None:
     """100 samples, global batch 16: 6 steps per epoch (4 dropped); 9 steps cross into epoch 2."""
     def args(run_dir: Path, record: Path, steps: int) -> list[str]:
         return ["train", "model.target=toy:build_model", "data.target=toy:build_datasets",
@@ -143,9 +143,8 @@ def test_world_size_change_neither_skips_nor_repeats(tmp_path: Path, w1: int, w2
                 f"run.dir={run_dir}", f"train.max_steps={steps}", "train.global_batch_size=16",
                 "data.micro_batch_size=4", "train.eval_every=0", "ckpt.every_steps=0"]
 
-    ref_rec = tmp_path / "ref-ids"
-    r = run_ddptrain(args(tmp_path / "ref", ref_rec, 9), nproc=2)
-    assert r.returncode == 0, r.stderr
+    # The uninterrupted 2-rank run, trained once for both directions ("{out}" is its folder).
+    ref_rec = Path(f"{cached_run(reference_cache, args(Path('{out}'), Path('{out}-ids'), 9), nproc=2)}-ids")
     rec1, rec2, run_dir = tmp_path / "ids-a", tmp_path / "ids-b", tmp_path / "run"
     r1 = run_ddptrain(args(run_dir, rec1, 4), nproc=w1 if w1 > 1 else 0)
     assert r1.returncode == 0, r1.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import env_for_subprocess, folder_bytes, one_error_line, read_metrics, run_ddptrain
+from toys import TINY
 
 from ddptrain.checkpoint.manifest import manifest_checksum
 from ddptrain.data.corpus import prepare_corpus
@@ -69,6 +70,15 @@ def test_resume_never_over_an_older_run_is_refused_then_archived(tiny_args: list
     assert again.returncode == 0 and "step-00000002 (step 2" in again.stdout  # never the old run's step 6
 
 
+@pytest.fixture(scope="module")
+def untouched_run(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """tiny_args of a trained run that the tests using it only read (their commands are refused)."""
+    args = [*TINY, f"data.dir={corpus_dir}", f"run.dir={tmp_path_factory.mktemp('identity') / 'run'}"]
+    r = run_ddptrain(["train", *args])
+    assert r.returncode == 0, r.stderr
+    return args
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -84,8 +94,10 @@ def test_resume_never_over_an_older_run_is_refused_then_archived(tiny_args: list
 )
 @pytest.mark.timeout(180)
 def test_resume_with_a_changed_identity_exits_2_naming_each_key(
-    tiny_args: list[str], trained: Path, tmp_path: Path, change: list[str], named: str
+    untouched_run: list[str], tmp_path: Path, change: list[str], named: str
 ) -> None:
+    """Each refusal leaves the run folder as it was, so the cases share one trained run (per worker)."""
+    tiny_args, trained = untouched_run, Path(untouched_run[-1].removeprefix("run.dir="))
     if change == ["DATA"]:
         other = tmp_path / "other-corpus"
         prepare_corpus([Path(json.__file__), Path(shutil.__file__)], other, 0.1)

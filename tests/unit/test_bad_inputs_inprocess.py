@@ -1,0 +1,62 @@
+"""Bad input to `ddptrain train`, in this process (milliseconds each): the cases tests/dist/test_bad_input.py
+once ran in subprocesses. A real process exiting 2 with one line and writing nothing stays proven there."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from helpers import one_line_exit_2
+
+from ddptrain.cli import main
+from ddptrain.config import load_config
+from ddptrain.train.start import warn_if_all_warm_up
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.max_stpes=3"], "unknown key 'train.max_stpes'"),
+        (["data.micro_batch_size=four"], "data.micro_batch_size"),
+        (["train.global_batch_size=10"], "train.global_batch_size=10 is not divisible by data.micro_batch_size=4"),
+    ],
+)
+def test_train_refuses_a_config_it_cannot_train_and_writes_nothing(
+    overrides: list[str], message: str, tiny_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in one_line_exit_2(["train", *tiny_args, *overrides], capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_outside_the_world_is_refused(
+    tiny_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    rc = main(["train", *tiny_args])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in out + err, (rc, out, err)
+    # A rank other than 0 says which it is.
+    assert lines[0].startswith("[rank 2] ddptrain train: error: RANK=2 is out of range for WORLD_SIZE=2"), lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("warmup", "max_steps", "step", "warned"),
+    [(3, 3, 0, True), (5, 3, 0, True), (2, 3, 0, False), (3, 3, 3, False)],  # the last: resumed at the end
+)
+def test_a_warm_up_covering_the_whole_run_is_a_warning(
+    warmup: int, max_steps: int, step: int, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(None, [f"train.warmup_steps={warmup}", f"train.max_steps={max_steps}"])
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        warn_if_all_warm_up(cfg, step)
+    said = [r.getMessage() for r in caplog.records if "covers the whole run" in r.getMessage()]
+    expected = (
+        f"train.warmup_steps={warmup} covers the whole run (train.max_steps={max_steps}): the learning rate never "
+        "reaches train.lr=0.003; set train.warmup_steps below train.max_steps (e.g. train.warmup_steps=1)"
+    )
+    assert said == ([expected] if warned else [])
