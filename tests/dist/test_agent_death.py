@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import env_for_subprocess, read_metrics, run_ddptrain
 from test_broken_output import COMMANDS, newest_step
 from test_interrupt import SLOW, TOY, wait_for_step
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
 from ddptrain.run_folder import LEASE
-from helpers import env_for_subprocess, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -75,12 +75,14 @@ def workers_of(run_dir: Path) -> dict[int, int]:
     return found
 
 
-def start_job(start: list[str], argv: list[str], log: Path, env: dict[str, str] | None = None
-              ) -> tuple[subprocess.Popen[bytes], list[int], dict[int, int]]:
+def start_job(
+    start: list[str], argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], list[int], dict[int, int]]:
     run_dir = Path(argv[-1].split("=", 1)[1])
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*start, *argv], env=env_for_subprocess(env), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*start, *argv], env=env_for_subprocess(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
     wait_for_step(run_dir, 4, proc)
     workers = workers_of(run_dir)
     assert sorted(workers) == [0, 1], workers

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import one_error_line, run_ddptrain
 
 pytestmark = pytest.mark.dist

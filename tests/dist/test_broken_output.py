@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import env_for_subprocess, read_metrics, run_ddptrain
 from test_interrupt import SLOW, TOY, wait_for_step
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
 from ddptrain.errors import EXIT_INTERRUPTED
-from helpers import env_for_subprocess, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -67,9 +67,15 @@ def test_ctrl_c_after_the_log_reader_died_commits_and_exits_130(how: str, tmp_pa
     run_dir = tmp_path / "run"
     argv = ["train", *TOY, SLOW, f"run.dir={run_dir}"]
     read_end, write_end = os.pipe()
-    proc = subprocess.Popen([*COMMANDS[how], *argv], env=env_for_subprocess(), stdin=subprocess.DEVNULL,
-                            stdout=write_end, stderr=write_end, start_new_session=True,
-                            preexec_fn=_as_in_a_terminal)
+    proc = subprocess.Popen(
+        [*COMMANDS[how], *argv],
+        env=env_for_subprocess(),
+        stdin=subprocess.DEVNULL,
+        stdout=write_end,
+        stderr=write_end,
+        start_new_session=True,
+        preexec_fn=_as_in_a_terminal,
+    )
     os.close(write_end)
     tee = subprocess.Popen(["tee", str(tmp_path / "tee.log")], stdin=read_end, stdout=subprocess.DEVNULL)
     os.close(read_end)  # tee holds the only reading end: when it dies, the pipe is broken
@@ -102,8 +108,13 @@ def test_ctrl_c_with_stdout_closed_commits_and_exits_130(tmp_path: Path) -> None
         os.close(1)  # `>&-`: no descriptor 1 at all, not /dev/null
 
     with open(tmp_path / "stderr.log", "wb") as err:
-        proc = subprocess.Popen([*COMMANDS["single"], *argv], env=env_for_subprocess(), stdin=subprocess.DEVNULL,
-                                stderr=err, preexec_fn=closed_stdout)
+        proc = subprocess.Popen(
+            [*COMMANDS["single"], *argv],
+            env=env_for_subprocess(),
+            stdin=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=closed_stdout,
+        )
     try:
         wait_for_step(run_dir, 4, proc)
         proc.send_signal(signal.SIGINT)

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, run_ddptrain
 from safetensors.torch import load_file as load_safetensors
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.config import ModelConfig
 from ddptrain.models.gpt import GPT
-
-from helpers import read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -38,8 +37,9 @@ def test_one_rank_failing_to_write_commits_nothing_and_keeps_the_old(tiny_args: 
     verify_checkpoint(run_dir / "checkpoints" / "step-00000003")
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
-    goes_on = run_ddptrain(["train", *tiny_args, "train.max_steps=9", "ckpt.on_error=continue"], nproc=2,
-                           max_file_bytes=50_000)
+    goes_on = run_ddptrain(
+        ["train", *tiny_args, "train.max_steps=9", "ckpt.on_error=continue"], nproc=2, max_file_bytes=50_000
+    )
     # It trains on, retries the final save once, and then says the final state is lost: never exit 0.
     assert goes_on.returncode == 1, goes_on.stderr
     assert "retrying the save of step 9" in goes_on.stderr
@@ -74,8 +74,9 @@ def test_disk_full_on_save(tiny_args: list[str], small_tmpfs: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_on_error_continue_on_a_full_disk_never_loses_the_final_state_quietly(tiny_args: list[str],
-                                                                             small_tmpfs: Path) -> None:
+def test_on_error_continue_on_a_full_disk_never_loses_the_final_state_quietly(
+    tiny_args: list[str], small_tmpfs: Path
+) -> None:
     run_dir = small_tmpfs / "run"
     result = run_ddptrain(["train", *tiny_args, f"run.dir={run_dir}", "ckpt.every_steps=2", "ckpt.on_error=continue"])
     assert result.returncode == 1, result.stderr

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import TESTS_DIR, env_for_subprocess, folder_bytes
 
 pytestmark = pytest.mark.dist

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
@@ -46,8 +45,18 @@ def test_train_writes_metrics_config_and_checkpoints(tiny_args: list[str], tmp_p
 def test_default_model_learns(corpus_dir: Path, tmp_path: Path) -> None:
     """The built-in defaults (on the small corpus): the loss falls well below uniform within 40 steps."""
     run_dir = tmp_path / "run"
-    result = run_ddptrain(["train", f"data.dir={corpus_dir}", f"run.dir={run_dir}", "train.max_steps=40",
-                           "train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=1"], timeout=220)
+    result = run_ddptrain(
+        [
+            "train",
+            f"data.dir={corpus_dir}",
+            f"run.dir={run_dir}",
+            "train.max_steps=40",
+            "train.eval_every=0",
+            "ckpt.every_steps=0",
+            "log.every_steps=1",
+        ],
+        timeout=220,
+    )
     assert result.returncode == 0, result.stderr
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert losses[0] > 4.5 and losses[-1] < 3.4, losses
@@ -57,10 +66,23 @@ def test_default_model_learns(corpus_dir: Path, tmp_path: Path) -> None:
 def test_user_model_and_data_through_targets(tmp_path: Path) -> None:
     """A model and dataset the package does not define, named by import path."""
     run_dir = tmp_path / "run"
-    result = run_ddptrain(["train", "model.target=toy:build_model", "data.target=toy:build_datasets",
-                           "model.kwargs={dim: 8}", "data.kwargs={n: 128, dim: 8}", f"run.dir={run_dir}",
-                           "train.max_steps=20", "train.global_batch_size=16", "data.micro_batch_size=8",
-                           "train.eval_every=10", "log.every_steps=5", "train.lr=0.01"], nproc=2)
+    result = run_ddptrain(
+        [
+            "train",
+            "model.target=toy:build_model",
+            "data.target=toy:build_datasets",
+            "model.kwargs={dim: 8}",
+            "data.kwargs={n: 128, dim: 8}",
+            f"run.dir={run_dir}",
+            "train.max_steps=20",
+            "train.global_batch_size=16",
+            "data.micro_batch_size=8",
+            "train.eval_every=10",
+            "log.every_steps=5",
+            "train.lr=0.01",
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr
     train = read_metrics(run_dir)
     assert train[-1]["loss"] < train[0]["loss"]
@@ -72,8 +94,19 @@ def test_user_model_and_data_through_targets(tmp_path: Path) -> None:
 def test_shipped_example_trains_under_torchrun(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "regression"
     run_dir = tmp_path / "run"
-    result = run_ddptrain(["train", "-c", str(example / "config.yaml"), f"run.dir={run_dir}", "train.max_steps=60",
-                           "log.every_steps=1", "train.eval_every=60"], nproc=2, env={"PYTHONPATH": str(example)})
+    result = run_ddptrain(
+        [
+            "train",
+            "-c",
+            str(example / "config.yaml"),
+            f"run.dir={run_dir}",
+            "train.max_steps=60",
+            "log.every_steps=1",
+            "train.eval_every=60",
+        ],
+        nproc=2,
+        env={"PYTHONPATH": str(example)},
+    )
     assert result.returncode == 0, result.stderr
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses

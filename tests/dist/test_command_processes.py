@@ -6,10 +6,8 @@ test_usage_errors.py, test_torch_support.py); these prove nothing else reaches t
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, run_ddptrain
 from safetensors.torch import load_file as load_safetensors
+from test_resume import assert_bit_exact, common, consumed_ids, killable
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.config import ModelConfig
 from ddptrain.models.gpt import GPT
-
-from helpers import read_metrics, run_ddptrain
-from test_resume import assert_bit_exact, common, consumed_ids, killable
 
 pytestmark = pytest.mark.dist
 
@@ -58,11 +57,21 @@ def test_fsdp_world_size_changes_neither_skip_nor_repeat(tmp_path: Path) -> None
     epoch 1 (steps 1-6) uses 96 distinct samples, epoch 2 (steps 7-9) 48 more, none twice."""
 
     def args(run_dir: Path, record: Path, steps: int) -> list[str]:
-        return ["train", "model.target=toy:build_model", "data.target=toy:build_datasets",
-                f"model.kwargs={{dim: 8, record_dir: {record}}}", "data.kwargs={n: 100, dim: 8}",
-                f"run.dir={run_dir}", f"train.max_steps={steps}", "train.global_batch_size=16",
-                "data.micro_batch_size=4", "train.eval_every=0", "ckpt.every_steps=0", FSDP,
-                "model.shard_units=[Linear]"]
+        return [
+            "train",
+            "model.target=toy:build_model",
+            "data.target=toy:build_datasets",
+            f"model.kwargs={{dim: 8, record_dir: {record}}}",
+            "data.kwargs={n: 100, dim: 8}",
+            f"run.dir={run_dir}",
+            f"train.max_steps={steps}",
+            "train.global_batch_size=16",
+            "data.micro_batch_size=4",
+            "train.eval_every=0",
+            "ckpt.every_steps=0",
+            FSDP,
+            "model.shard_units=[Linear]",
+        ]
 
     records, outputs = [], []
     for i, (nproc, steps) in enumerate([(2, 3), (0, 6), (2, 9)]):
@@ -91,7 +100,15 @@ def flip(path: Path, offset: int) -> None:
 def test_a_flipped_byte_in_any_dcp_file_is_rejected(corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Async saves: DCP runs its collectives in the save thread, on the checkpointer's own group.
-    base = ["train", *common(corpus_dir, run_dir), *SMALL, "ckpt.every_steps=2", "ckpt.keep=3", "ckpt.async_save=true", FSDP]
+    base = [
+        "train",
+        *common(corpus_dir, run_dir),
+        *SMALL,
+        "ckpt.every_steps=2",
+        "ckpt.keep=3",
+        "ckpt.async_save=true",
+        FSDP,
+    ]
     first = run_ddptrain([*base, "train.max_steps=6"], nproc=2)
     assert first.returncode == 0, first.stderr
     six, four = ckpt(run_dir, 6), ckpt(run_dir, 4)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import final_model_state, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist

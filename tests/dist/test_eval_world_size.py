@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import read_metrics, run_ddptrain
 
 from ddptrain.cli import main
-from helpers import read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 LOSS = re.compile(r": (\d+) samples, loss (\d+\.\d+), perplexity")

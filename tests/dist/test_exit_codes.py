@@ -15,18 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import TESTS_DIR, TINY, env_for_subprocess, prepare_tiny_corpus, run_ddptrain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddptrain.cli import main
-from helpers import TESTS_DIR, TINY, env_for_subprocess, prepare_tiny_corpus, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
 
 def launch(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ddptrain", "launch", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env_for_subprocess())
+    return subprocess.run(
+        [sys.executable, "-m", "ddptrain", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_for_subprocess(),
+    )
 
 
 @pytest.mark.timeout(300)
@@ -44,8 +49,19 @@ def test_launch_with_a_bad_config_exits_2_four_times_out_of_four() -> None:
 def test_workers_exiting_2_end_the_launch_with_2_and_no_restart(tmp_path: Path) -> None:
     """Bad input only the workers can see (a missing corpus): one rank exits 2, the agent stops the
     other; whatever that one exits with, the job exits 2 and says nothing about restarts."""
-    argv = ["--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "5", "--", "train", *TINY,
-            f"data.dir={tmp_path / 'absent'}", f"run.dir={tmp_path / 'run'}"]
+    argv = [
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--shutdown-timeout",
+        "5",
+        "--",
+        "train",
+        *TINY,
+        f"data.dir={tmp_path / 'absent'}",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     for attempt in range(2):
         r = launch(argv)
         assert r.returncode == 2, (attempt, r.stderr[-2000:])
@@ -57,8 +73,17 @@ def test_workers_exiting_2_end_the_launch_with_2_and_no_restart(tmp_path: Path) 
 def test_ranks_with_different_data_stop_before_the_first_step(corpus_dir: Path, tmp_path: Path) -> None:
     other = prepare_tiny_corpus_variant(tmp_path / "other")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "per_rank_data.py"), "train", *TINY, f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(TESTS_DIR / "per_rank_data.py"),
+        "train",
+        *TINY,
+        f"run.dir={run_dir}",
+    ]
     env = env_for_subprocess({"DATA_DIRS": f"{corpus_dir}:{other}"})
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert r.returncode != 0
@@ -74,7 +99,8 @@ def test_ranks_with_different_data_stop_before_the_first_step(corpus_dir: Path, 
 
 @pytest.mark.timeout(180)
 def test_ranks_given_different_shard_bytes_under_one_meta_json_stop_before_the_first_step(
-        corpus_dir: Path, tmp_path: Path) -> None:
+    corpus_dir: Path, tmp_path: Path
+) -> None:
     """Before: the identity check compared meta.json only, and both ranks trained (exit 0) on different data."""
     other = Path(shutil.copytree(corpus_dir, tmp_path / "same-meta"))
     shard = other / "train-00000.bin"
@@ -82,14 +108,23 @@ def test_ranks_given_different_shard_bytes_under_one_meta_json_stop_before_the_f
     data[1000] ^= 0x20  # same size, same meta.json, one byte different
     shard.write_bytes(bytes(data))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "per_rank_data.py"), "train", *TINY, f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(TESTS_DIR / "per_rank_data.py"),
+        "train",
+        *TINY,
+        f"run.dir={run_dir}",
+    ]
     env = env_for_subprocess({"DATA_DIRS": f"{corpus_dir}:{other}"})
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 2, r.stderr[-3000:]  # every rank, one line each, naming the rank, host and shard
     for line in errors:
-        assert f"rank 1 (" in line and f"{shard}: its bytes do not match meta.json" in line, line
+        assert "rank 1 (" in line and f"{shard}: its bytes do not match meta.json" in line, line
     assert "exitcode  : 2" in r.stderr or "(exitcode: 2)" in r.stderr
     assert not (run_dir / "metrics.jsonl").exists() or '"kind": "train"' not in (run_dir / "metrics.jsonl").read_text()
 
@@ -100,8 +135,21 @@ def test_a_bad_meta_json_under_launch_is_one_attempt_and_exit_2(corpus_dir: Path
     bad = Path(shutil.copytree(corpus_dir, tmp_path / "bad"))
     meta = json.loads((bad / "meta.json").read_text())
     (bad / "meta.json").write_text(json.dumps({**meta, "vocab_size": 10**12}))
-    r = launch(["--nproc-per-node", "1", "--max-restarts", "2", "--shutdown-timeout", "5", "--", "train", *TINY,
-                f"data.dir={bad}", f"run.dir={tmp_path / 'run'}"])
+    r = launch(
+        [
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "2",
+            "--shutdown-timeout",
+            "5",
+            "--",
+            "train",
+            *TINY,
+            f"data.dir={bad}",
+            f"run.dir={tmp_path / 'run'}",
+        ]
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 1 and "vocab_size: Input should be less than or equal to 16777216" in errors[0], r.stderr
@@ -126,24 +174,48 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Keys that change what a short run does, with values good and bad.
-TRAINING_OVERRIDES = st.sampled_from([
-    "train.lr=0.01", "train.lr=.inf", "train.lr=-1", "train.betas=[0.5, 0.6]", "train.betas=[1, 1]",
-    "train.warmup_steps=0", "train.warmup_steps=true", "train.grad_clip=0", "train.grad_clip=.nan",
-    "data.micro_batch_size=2", "data.micro_batch_size=3", "train.global_batch_size=4", "train.global_batch_size=6",
-    "train.precision=bf16", "train.precision=fp8", "model.dropout=0.2", "model.dropout=1.5", "run.seed=0",
-    "run.seed=4294967296", "train.on_nonfinite=stop", "model.n_head=4", "model.n_head=3", "model.vocab_size=128",
-    "train.eval_every=1", "ckpt.every_steps=1", "ckpt.keep=0", "train.max_steps=true", "ckpt.async=true",
-])
+TRAINING_OVERRIDES = st.sampled_from(
+    [
+        "train.lr=0.01",
+        "train.lr=.inf",
+        "train.lr=-1",
+        "train.betas=[0.5, 0.6]",
+        "train.betas=[1, 1]",
+        "train.warmup_steps=0",
+        "train.warmup_steps=true",
+        "train.grad_clip=0",
+        "train.grad_clip=.nan",
+        "data.micro_batch_size=2",
+        "data.micro_batch_size=3",
+        "train.global_batch_size=4",
+        "train.global_batch_size=6",
+        "train.precision=bf16",
+        "train.precision=fp8",
+        "model.dropout=0.2",
+        "model.dropout=1.5",
+        "run.seed=0",
+        "run.seed=4294967296",
+        "train.on_nonfinite=stop",
+        "model.n_head=4",
+        "model.n_head=3",
+        "model.vocab_size=128",
+        "train.eval_every=1",
+        "ckpt.every_steps=1",
+        "ckpt.keep=0",
+        "train.max_steps=true",
+        "ckpt.async=true",
+    ]
+)
 
 
 @pytest.mark.timeout(300)
 @given(st.lists(TRAINING_OVERRIDES, max_size=4))
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-def test_generated_training_configs_train_or_exit_2_in_one_line(tiny_corpus: Path,
-                                                                tmp_path_factory: pytest.TempPathFactory,
-                                                                capfd: pytest.CaptureFixture[str],
-                                                                items: list[str]) -> None:
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+def test_generated_training_configs_train_or_exit_2_in_one_line(
+    tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory, capfd: pytest.CaptureFixture[str], items: list[str]
+) -> None:
     run_dir = tmp_path_factory.mktemp("prop")
     rc = main(["train", *TINY, f"data.dir={tiny_corpus}", f"run.dir={run_dir}", *items, "train.max_steps=2"])
     out, err = capfd.readouterr()
@@ -156,10 +228,12 @@ def test_generated_training_configs_train_or_exit_2_in_one_line(tiny_corpus: Pat
 
 @pytest.mark.timeout(300)
 @given(st.lists(TRAINING_OVERRIDES, min_size=1, max_size=3))
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
-def test_generated_configs_as_real_commands(tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory,
-                                            items: list[str]) -> None:
+@settings(
+    max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+def test_generated_configs_as_real_commands(
+    tiny_corpus: Path, tmp_path_factory: pytest.TempPathFactory, items: list[str]
+) -> None:
     run_dir = tmp_path_factory.mktemp("prop-cli")
     r = run_ddptrain(["train", *TINY, f"data.dir={tiny_corpus}", f"run.dir={run_dir}", *items, "train.max_steps=2"])
     assert r.returncode in (0, 2), (items, r.returncode, r.stderr[-2000:])

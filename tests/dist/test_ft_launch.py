@@ -71,10 +71,30 @@ def test_two_local_groups_restart_alone_and_finish(tmp_path: Path) -> None:
     probe.mkdir()
     base = env_for_subprocess()
     env = {**base, "PYTHONPATH": os.pathsep.join([str(site), base["PYTHONPATH"]]), "FT_PROBE_DIR": str(probe)}
-    argv = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--nproc-per-node", "4", "--max-restarts", "1",
-            "--worker-start", "exec", "--shutdown-timeout", "5", "--", "doctor"]
-    proc = subprocess.Popen([sys.executable, "-m", "ddptrain", "launch", *argv], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    argv = [
+        "--fault-tolerance",
+        "torchft",
+        "--replica-groups",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        "--worker-start",
+        "exec",
+        "--shutdown-timeout",
+        "5",
+        "--",
+        "doctor",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "launch", *argv],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         first = starts(probe, 4, proc)  # 4 workers split into 2 groups of 2
         lighthouses = {r["TORCHFT_LIGHTHOUSE"] for r in first}

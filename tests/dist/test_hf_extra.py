@@ -20,8 +20,22 @@ def test_missing_hf_extra_is_exit_2_naming_it(tmp_path: Path) -> None:
     shadow = tmp_path / "shadow" / "transformers"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("not installed")\n')
-    r = subprocess.run([sys.executable, "-m", "ddptrain", "prepare", str(SOURCE), "--out", str(tmp_path / "out"),
-                        "--tokenizer", "train:300"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(tmp_path / "shadow")})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddptrain",
+            "prepare",
+            str(SOURCE),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            "train:300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "shadow")},
+    )
     assert r.returncode == 2
     assert r.stderr.strip().endswith("install the optional extra: pip install 'ddptrain[hf]'"), r.stderr

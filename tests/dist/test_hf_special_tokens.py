@@ -19,8 +19,16 @@ from ddptrain.models.gpt import GPT
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers", reason="needs the hf extra (transformers, tokenizers)")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300, "max_position_embeddings": 32}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 300,
+    "max_position_embeddings": 32,
+}
 
 
 @pytest.fixture(scope="module")

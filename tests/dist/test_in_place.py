@@ -165,7 +165,9 @@ def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_chec
     # donor must still be training when it joins, however slowly this machine starts an interpreter.
     gate = tmp_path / "join-now"
     joiner = subprocess.Popen(
-        [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]], env=ft_env(0, lighthouse), stdout=logs[0],
+        [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]],
+        env=ft_env(0, lighthouse),
+        stdout=logs[0],
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 90

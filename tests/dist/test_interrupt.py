@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import ddptrain
-
-from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
-from ddptrain.errors import EXIT_INTERRUPTED
 from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
 from toys import STOPPABLE
+
+import ddptrain
+from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
+from ddptrain.errors import EXIT_INTERRUPTED
 
 pytestmark = pytest.mark.dist
 
@@ -29,17 +28,22 @@ SLOW = "model.kwargs.step_sleep=0.1"
 
 def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     """The command with SIGINT handled as in a terminal (a background shell would have it ignored)."""
-    return subprocess.Popen([sys.executable, "-m", "ddptrain", *argv], env=env_for_subprocess(),
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", *argv],
+        env=env_for_subprocess(),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     path = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines()
-                                 if '"kind": "train"' in x):
+        if path.exists() and any(
+            json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if '"kind": "train"' in x
+        ):
             return
         time.sleep(0.1)
     pytest.fail(f"step {step} not reached")
@@ -78,8 +82,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_single_process_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path, reference_cache: Path
-                                                                              ) -> None:
+def test_ctrl_c_single_process_checkpoints_exits_130_and_resumes_bit_exactly(
+    tmp_path: Path, reference_cache: Path
+) -> None:
     run_dir = tmp_path / "run"
     argv = ["train", *TOY, SLOW, f"run.dir={run_dir}"]
     proc = start(argv, tmp_path / "first.log")
@@ -96,11 +101,22 @@ def test_ctrl_c_single_process_checkpoints_exits_130_and_resumes_bit_exactly(tmp
 
 
 @pytest.mark.timeout(360)
-def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path,
-                                                                                       reference_cache: Path) -> None:
+def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exactly(
+    tmp_path: Path, reference_cache: Path
+) -> None:
     run_dir = tmp_path / "run"
-    argv = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "30", "--", "train", *TOY, SLOW,
-            f"run.dir={run_dir}"]
+    argv = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "30",
+        "--",
+        "train",
+        *TOY,
+        SLOW,
+        f"run.dir={run_dir}",
+    ]
     proc = start(argv, tmp_path / "first.log")
     wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does: the launcher forwards it to the ranks
@@ -120,11 +136,27 @@ def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exa
 def test_ctrl_c_to_plain_torchrun_stops_both_ranks_with_a_checkpoint(tmp_path: Path) -> None:
     """torchrun's agent passes SIGINT on to its workers: they stop together and commit."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddptrain",
-           "train", *TOY, SLOW, f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddptrain",
+        "train",
+        *TOY,
+        SLOW,
+        f"run.dir={run_dir}",
+    ]
     log = tmp_path / "torchrun.log"
-    proc = subprocess.Popen(cmd, env=env_for_subprocess(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        env=env_for_subprocess(),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGINT)
     proc.wait(90)  # torchrun itself re-raises the signal: its own exit code is torch's business
@@ -160,8 +192,9 @@ def test_the_first_stop_signal_decides_the_exit_code(
     run_dir = tmp_path / "run"
     launcher = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "30", "--"] if launch else []
     log = tmp_path / "log"
-    proc = start([*launcher, "train", *TOY, "train.max_steps=1000", "model.kwargs.step_sleep=0.05",
-                  f"run.dir={run_dir}"], log)
+    proc = start(
+        [*launcher, "train", *TOY, "train.max_steps=1000", "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"], log
+    )
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(getattr(signal, first))
     time.sleep(0.2)  # the issue's 0.05-0.5 s

@@ -20,8 +20,8 @@ import pytest
 from helpers import env_for_subprocess
 from toys import FAULTY
 
-from ddptrain.run_folder import LEASE
 from ddptrain.errors import EXIT_LEASE_LOST
+from ddptrain.run_folder import LEASE
 
 pytestmark = pytest.mark.dist
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import env_for_subprocess, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
@@ -18,10 +17,21 @@ pytestmark = pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["train", "model.target=observe_toy:build_slow_model", "model.kwargs={slow_rank: 1, sleep_s: 0.04}",
-            "data.target=toy:build_datasets", "data.micro_batch_size=4", "train.global_batch_size=16",
-            "train.max_steps=16", "train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=2",
-            "log.straggler_every=4", "log.straggler_window=4", f"run.dir={run_dir}"]
+    args = [
+        "train",
+        "model.target=observe_toy:build_slow_model",
+        "model.kwargs={slow_rank: 1, sleep_s: 0.04}",
+        "data.target=toy:build_datasets",
+        "data.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "train.max_steps=16",
+        "train.eval_every=0",
+        "ckpt.every_steps=0",
+        "log.every_steps=2",
+        "log.straggler_every=4",
+        "log.straggler_window=4",
+        f"run.dir={run_dir}",
+    ]
     proc = run_ddptrain(args, nproc=2, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     host = socket.gethostname()
@@ -42,7 +52,10 @@ def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path:
     # grad accumulation 2: rank 0 waits for rank 1 in the all-reduce of the last micro-batch
     assert all(r["exposed_comm_s"] > 0 for r in train)
     assert all(r["comm_wait_s"] >= 0 for r in train)  # the comm hook measured the last backward's wait
-    assert f"rank 1 WARNING ddptrain.observe.stragglers: straggler at step {step}" in (run_dir / "logs" / "rank-1.log").read_text()
+    assert (
+        f"rank 1 WARNING ddptrain.observe.stragglers: straggler at step {step}"
+        in (run_dir / "logs" / "rank-1.log").read_text()
+    )
     assert "rank 1 of 2" in (run_dir / "logs" / "rank-1.log").read_text()
 
 
@@ -56,7 +69,7 @@ def test_doctor_with_two_ranks_passes_and_reports_bus_bandwidth(tmp_path: Path) 
     assert "verdict: PASS" in out and "all 2 ranks joined" in out
     rows = [line.split() for line in out.splitlines() if line.strip().endswith(tuple("0123456789")) and "KiB" in line]
     assert [r[0] + " " + r[1] for r in rows] == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB"]
-    for size, unit, iters, us, algbw, busbw in rows:
+    for size, _unit, _iters, us, algbw, busbw in rows:
         # 2 ranks: busbw = algbw * 2 * (2 - 1) / 2 = algbw; algbw = bytes / time
         assert float(busbw) == pytest.approx(float(algbw), abs=0.0011)
         assert float(algbw) == pytest.approx(float(size) * 1024 / (float(us) * 1e-6) / 1e9, rel=0.02, abs=0.0011)
@@ -68,17 +81,32 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("rank", "expected"), [
-    (1, "cannot reach the rendezvous store at 127.0.0.1:{port} within 3s (connection refused"),
-    (0, "did not all join within 3s (rank 0 hosts the store on port {port})"),
-])
+@pytest.mark.parametrize(
+    ("rank", "expected"),
+    [
+        (1, "cannot reach the rendezvous store at 127.0.0.1:{port} within 3s (connection refused"),
+        (0, "did not all join within 3s (rank 0 hosts the store on port {port})"),
+    ],
+)
 @pytest.mark.timeout(90)
 def test_doctor_fails_fast_on_an_unreachable_rendezvous(rank: int, expected: str) -> None:
     port = _closed_port()
-    env = env_for_subprocess({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                              "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
-    proc = subprocess.run([sys.executable, "-m", "ddptrain", "doctor", "--timeout", "3"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = env_for_subprocess(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "doctor", "--timeout", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "FAIL  rendezvous" in out and expected.format(port=port) in out

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
+from toys import STOPPABLE
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
 from ddptrain.errors import EXIT_PREEMPTED
-from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
-from toys import STOPPABLE
 
 pytestmark = pytest.mark.dist
 
@@ -24,16 +24,21 @@ SLOW = "model.kwargs.step_sleep=0.1"
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "ddptrain", *argv], env=env_for_subprocess(),
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", *argv],
+        env=env_for_subprocess(),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     path = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines()
-                                 if '"kind": "train"' in x):
+        if path.exists() and any(
+            json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if '"kind": "train"' in x
+        ):
             return
         time.sleep(0.1)
     pytest.fail(f"step {step} not reached")
@@ -42,7 +47,18 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeo
 @pytest.mark.timeout(300)
 def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path: Path, reference_cache: Path) -> None:
     run_dir = tmp_path / "run"
-    argv = ["launch", "--nproc-per-node", "2", "--shutdown-timeout", "20", "--", "train", *TOY, SLOW, f"run.dir={run_dir}"]
+    argv = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "20",
+        "--",
+        "train",
+        *TOY,
+        SLOW,
+        f"run.dir={run_dir}",
+    ]
     proc = start(argv, tmp_path / "first.log")
     wait_for_step(run_dir, 15, proc)
     proc.send_signal(signal.SIGUSR1)

@@ -129,7 +129,9 @@ def test_two_prepares_started_together_both_succeed(tmp_path: Path) -> None:
     args = ["prepare", "--out", str(out), "--shard-tokens", "4096"]
     procs = [_start(args, log, tmp_path) for log in logs]
     assert _finish(procs) == [0, 0], [log.read_text() for log in logs]
-    reference = prepare_corpus(stdlib_sources(), tmp_path / "reference", VAL_FRACTION, PrepareOptions(shard_tokens=4096))
+    reference = prepare_corpus(
+        stdlib_sources(), tmp_path / "reference", VAL_FRACTION, PrepareOptions(shard_tokens=4096)
+    )
     assert _files(out) == _files(reference.out_dir)
 
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import TESTS_DIR, env_for_subprocess
 
 pytestmark = pytest.mark.dist

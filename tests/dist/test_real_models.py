@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
@@ -23,10 +22,18 @@ pytest.importorskip("transformers", reason="needs the hf extra (transformers, to
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = [STDLIB / n for n in ("argparse.py", "typing.py", "inspect.py", "textwrap.py", "json/decoder.py")]
-LLAMA = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-         "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 2048, max_position_embeddings: 64}")
-SMALL = ["model.block_size=32", "data.micro_batch_size=4", "train.global_batch_size=8", "train.warmup_steps=2",
-         "log.every_steps=1", "train.eval_every=0"]
+LLAMA = (
+    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 2048, max_position_embeddings: 64}"
+)
+SMALL = [
+    "model.block_size=32",
+    "data.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.warmup_steps=2",
+    "log.every_steps=1",
+    "train.eval_every=0",
+]
 GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64"]
 
 
@@ -34,16 +41,24 @@ GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64"]
 def bpe_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A few standard-library modules with a BPE of 2048 trained on them."""
     out = tmp_path_factory.mktemp("bpe")
-    r = run_ddptrain(["prepare", *map(str, SOURCES), "--out", str(out), "--tokenizer", "train:2048",
-                      "--val-fraction", "0.1"], timeout=120)
+    r = run_ddptrain(
+        ["prepare", *map(str, SOURCES), "--out", str(out), "--tokenizer", "train:2048", "--val-fraction", "0.1"],
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "vocab 2,048" in r.stdout
     return out
 
 
 def llama(corpus: Path, run_dir: Path, steps: int) -> list[str]:
-    return [*SMALL, f"model.hf.config={LLAMA}", f"data.dir={corpus}", f"run.dir={run_dir}",
-            f"train.max_steps={steps}", "ckpt.every_steps=4"]
+    return [
+        *SMALL,
+        f"model.hf.config={LLAMA}",
+        f"data.dir={corpus}",
+        f"run.dir={run_dir}",
+        f"train.max_steps={steps}",
+        "ckpt.every_steps=4",
+    ]
 
 
 def assert_same_params(a: Path, b: Path) -> None:
@@ -83,10 +98,20 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(bpe_corpu
     assert read_metrics(ref)[-1]["mfu"] > 0  # flops_per_token came from the transformers config
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddptrain",
-           "train", *llama(bpe_corpus, killed, steps)]
-    proc = subprocess.Popen(cmd, env=env_for_subprocess(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddptrain",
+        "train",
+        *llama(bpe_corpus, killed, steps),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env_for_subprocess(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if (killed / "metrics.jsonl").is_file() and any(m["step"] >= 6 for m in read_metrics(killed)):
@@ -114,12 +139,20 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(bpe_corpu
 
 def test_dict_loss_trains_and_logits_exit_2(corpus_dir: Path, tmp_path: Path) -> None:
     base = [*SMALL, f"data.dir={corpus_dir}", "train.max_steps=3"]
-    ok = run_ddptrain(["train", *base, "model.target=hf_toy:build", "model.kwargs={returns: dict}",
-                       f"run.dir={tmp_path / 'dict'}"])
+    ok = run_ddptrain(
+        ["train", *base, "model.target=hf_toy:build", "model.kwargs={returns: dict}", f"run.dir={tmp_path / 'dict'}"]
+    )
     assert ok.returncode == 0, ok.stderr
     assert len(read_metrics(tmp_path / "dict")) == 3
-    bad = run_ddptrain(["train", *base, "model.target=hf_toy:build", "model.kwargs={returns: logits}",
-                        f"run.dir={tmp_path / 'logits'}"])
+    bad = run_ddptrain(
+        [
+            "train",
+            *base,
+            "model.target=hf_toy:build",
+            "model.kwargs={returns: logits}",
+            f"run.dir={tmp_path / 'logits'}",
+        ]
+    )
     assert bad.returncode == 2, bad.stderr
     last = bad.stderr.strip().splitlines()[-1]
     assert "'hf_toy:build' returned a tensor of shape (4, 32, 256)" in last and "Traceback" not in bad.stderr
@@ -130,8 +163,15 @@ def test_gpt_on_bpe_finetune_export_eval(bpe_corpus: Path, tmp_path: Path) -> No
     """GPT trains on BPE tokens and generates text; its GPT-2 export loads in transformers with equal logits;
     a run initialised from that export starts at the pretrained loss; eval repeats the last evaluation."""
     pre = tmp_path / "pre"
-    args = [*SMALL, *GPT, f"data.dir={bpe_corpus}", "train.max_steps=40", "train.eval_every=20",
-            "ckpt.every_steps=20", "train.lr=1e-2"]
+    args = [
+        *SMALL,
+        *GPT,
+        f"data.dir={bpe_corpus}",
+        "train.max_steps=40",
+        "train.eval_every=20",
+        "ckpt.every_steps=20",
+        "train.lr=1e-2",
+    ]
     r = run_ddptrain(["train", *args, f"run.dir={pre}"], timeout=200)
     assert r.returncode == 0, r.stderr
     assert "vocab_size: 2048" in (pre / "config.yaml").read_text()
@@ -150,18 +190,29 @@ def test_gpt_on_bpe_finetune_export_eval(bpe_corpus: Path, tmp_path: Path) -> No
 
     logits_equal_after_hf_export(pre, tmp_path / "gpt2")
     tuned = tmp_path / "tuned"
-    r = run_ddptrain(["train", *args, f"run.dir={tuned}", f"model.init_from={tmp_path / 'gpt2'}",
-                      "train.max_steps=2", "train.lr=1e-4"], timeout=120)
+    r = run_ddptrain(
+        [
+            "train",
+            *args,
+            f"run.dir={tuned}",
+            f"model.init_from={tmp_path / 'gpt2'}",
+            "train.max_steps=2",
+            "train.lr=1e-4",
+        ],
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "initialised the model from transformers folder" in r.stdout
     first = read_metrics(tuned)[0]
     assert first["step"] == 1 and abs(first["loss"] - last_loss) < 0.5, (first, last_loss)
 
-    again = run_ddptrain(["train", *args, f"run.dir={tuned}", f"model.init_from={tmp_path / 'gpt2'}",
-                          "train.max_steps=3"], timeout=120)
+    again = run_ddptrain(
+        ["train", *args, f"run.dir={tuned}", f"model.init_from={tmp_path / 'gpt2'}", "train.max_steps=3"], timeout=120
+    )
     assert again.returncode == 0 and "resume wins" in again.stdout, again.stdout + again.stderr
-    wrong = run_ddptrain(["train", *args, "model.n_embd=32", f"run.dir={tmp_path / 'wrong'}",
-                          f"model.init_from={pre}"], timeout=120)
+    wrong = run_ddptrain(
+        ["train", *args, "model.n_embd=32", f"run.dir={tmp_path / 'wrong'}", f"model.init_from={pre}"], timeout=120
+    )
     assert wrong.returncode == 2 and "mis-shaped: wte.weight (2048, 64) vs (2048, 32)" in wrong.stderr, wrong.stderr
 
 
@@ -219,8 +270,9 @@ def test_killed_prepare_rerun_writes_the_same_shards(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ddptrain", "prepare", *args, "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env_for_subprocess(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env=env_for_subprocess(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     # Shards are written into the preparer's private folder and published together at the end.
     while time.monotonic() < deadline and not list(out.glob(".prepare-*/train-00002.bin")):

@@ -13,7 +13,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from helpers import read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist

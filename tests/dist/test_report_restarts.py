@@ -5,17 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from ddptrain.cli import main
 from helpers import TINY, read_metrics
 from restart_story import make_story
+
+from ddptrain.cli import main
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.mark.timeout(400)
-def test_report_tells_the_story_of_a_restarted_run(corpus_dir: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_tells_the_story_of_a_restarted_run(
+    corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     config = [*TINY, f"data.dir={corpus_dir}", "train.max_steps=60", "ckpt.every_steps=10", "train.eval_every=20"]
     codes = make_story(run_dir, crash_after=14, preempt_after=32, overrides=config)

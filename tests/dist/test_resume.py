@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
@@ -28,9 +27,18 @@ def killable(marker: Path, die_at_call: int, rank: int = 0) -> list[str]:
 
 
 def common(corpus: Path, run_dir: Path) -> list[str]:
-    return [f"data.dir={corpus}", f"run.dir={run_dir}", "model.block_size=32", "data.micro_batch_size=4",
-            "train.global_batch_size=16", f"train.max_steps={STEPS}", "train.warmup_steps=2",
-            "train.eval_every=0", "log.every_steps=1", "ckpt.every_steps=3"]
+    return [
+        f"data.dir={corpus}",
+        f"run.dir={run_dir}",
+        "model.block_size=32",
+        "data.micro_batch_size=4",
+        "train.global_batch_size=16",
+        f"train.max_steps={STEPS}",
+        "train.warmup_steps=2",
+        "train.eval_every=0",
+        "log.every_steps=1",
+        "ckpt.every_steps=3",
+    ]
 
 
 def losses_by_step(run_dir: Path) -> dict[int, list[float]]:
@@ -66,7 +74,9 @@ def reference_runs(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.mark.timeout(240)
-def test_sigkill_mid_accumulation_single_process(corpus_dir: Path, tmp_path: Path, reference_runs: dict[int, Path]) -> None:
+def test_sigkill_mid_accumulation_single_process(
+    corpus_dir: Path, tmp_path: Path, reference_runs: dict[int, Path]
+) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     accum = 4  # 16 / (4 x 1)
     call = 5 * accum + 2  # the 2nd micro-batch of step 6: after the step-3 checkpoint, mid accumulation
@@ -130,18 +140,33 @@ def test_sigkill_during_checkpoint_write(corpus_dir: Path, tmp_path: Path) -> No
 
 
 def consumed_ids(record_dir: Path) -> list[int]:
-    return [int(i) for f in sorted(record_dir.glob("ids-*.txt")) for line in f.read_text().splitlines() for i in line.split()]
+    return [
+        int(i)
+        for f in sorted(record_dir.glob("ids-*.txt"))
+        for line in f.read_text().splitlines()
+        for i in line.split()
+    ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("w1", "w2"), [(2, 1), (1, 2)])
 def test_world_size_change_neither_skips_nor_repeats(tmp_path: Path, reference_cache: Path, w1: int, w2: int) -> None:
     """100 samples, global batch 16: 6 steps per epoch (4 dropped); 9 steps cross into epoch 2."""
+
     def args(run_dir: Path, record: Path, steps: int) -> list[str]:
-        return ["train", "model.target=toy:build_model", "data.target=toy:build_datasets",
-                f"model.kwargs={{dim: 8, record_dir: {record}}}", "data.kwargs={n: 100, dim: 8}",
-                f"run.dir={run_dir}", f"train.max_steps={steps}", "train.global_batch_size=16",
-                "data.micro_batch_size=4", "train.eval_every=0", "ckpt.every_steps=0"]
+        return [
+            "train",
+            "model.target=toy:build_model",
+            "data.target=toy:build_datasets",
+            f"model.kwargs={{dim: 8, record_dir: {record}}}",
+            "data.kwargs={n: 100, dim: 8}",
+            f"run.dir={run_dir}",
+            f"train.max_steps={steps}",
+            "train.global_batch_size=16",
+            "data.micro_batch_size=4",
+            "train.eval_every=0",
+            "ckpt.every_steps=0",
+        ]
 
     # The uninterrupted 2-rank run, trained once for both directions ("{out}" is its folder).
     ref_rec = Path(f"{cached_run(reference_cache, args(Path('{out}'), Path('{out}-ids'), 9), nproc=2)}-ids")

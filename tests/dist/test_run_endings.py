@@ -13,22 +13,26 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import env_for_subprocess, read_metrics
+from test_interrupt import SLOW, TOY, wait_for_step
 
 from ddptrain.cli import main
 from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ddptrain.review.report import event_marks, read_records
 from ddptrain.review.story import tell
-from helpers import env_for_subprocess, read_metrics
-from test_interrupt import SLOW, TOY, wait_for_step
 
 pytestmark = pytest.mark.dist
 
 
 def start(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     """`ddptrain train` with SIGINT handled as in a terminal (a background shell would have it ignored)."""
-    return subprocess.Popen([sys.executable, "-m", "ddptrain", "train", *TOY, SLOW, f"run.dir={run_dir}"],
-                            env=env_for_subprocess(), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "train", *TOY, SLOW, f"run.dir={run_dir}"],
+        env=env_for_subprocess(),
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def last_step(run_dir: Path) -> int:
@@ -36,8 +40,9 @@ def last_step(run_dir: Path) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_report_tells_interrupted_preempted_crashed_and_completed_apart(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_tells_interrupted_preempted_crashed_and_completed_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "attempts.log"
     for sig, code in ((signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_PREEMPTED), (signal.SIGKILL, -9)):
         proc = start(run_dir, log)
@@ -64,8 +69,11 @@ def test_report_tells_interrupted_preempted_crashed_and_completed_apart(tmp_path
     assert "completed at step 30 (exit 0)" in lines[3], out
 
     records, _ = read_records(run_dir / "metrics.jsonl")
-    marks = [m for m in event_marks(tell(records, finished=True)) if m.kind in ("interrupted", "preempted",
-                                                                                "crashed", "completed")]
+    marks = [
+        m
+        for m in event_marks(tell(records, finished=True))
+        if m.kind in ("interrupted", "preempted", "crashed", "completed")
+    ]
     assert sorted(m.kind for m in marks) == ["completed", "crashed", "interrupted", "preempted"]
     assert len({(m.colour, m.marker) for m in marks}) == 4  # a mark of its own for each
     for name in ("loss", "lr", "throughput", "step_time", "goodput"):

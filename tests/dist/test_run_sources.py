@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import TESTS_DIR, env_for_subprocess
 
 from ddptrain.cli import main
-from helpers import TESTS_DIR, env_for_subprocess
 
 pytestmark = pytest.mark.dist
 REGRESSION = TESTS_DIR.parent / "examples" / "regression"

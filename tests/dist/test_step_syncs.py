@@ -27,8 +27,11 @@ def _instruction_corpus(tmp_path: Path) -> Path:
 
 # A model with metrics of its own (tests/metrics_toy.py) and train.metrics: summed on the device every micro-batch,
 # read on logged steps only.
-METRICS = ["model.target=metrics_toy:plateau_model", "data.target=varlen_toy:bare_datasets",
-           "train.metrics=metrics_toy:target_mean"]
+METRICS = [
+    "model.target=metrics_toy:plateau_model",
+    "data.target=varlen_toy:bare_datasets",
+    "train.metrics=metrics_toy:target_mean",
+]
 
 
 @pytest.mark.timeout(180)
@@ -43,14 +46,33 @@ def test_two_ranks_make_no_host_sync_on_unlogged_steps(
     # Under fsdp the clipped norm is a DTensor made full by an all-reduce: a collective, not a host read.
     # With instruction data the step's answer-token count is an all-reduce of a device tensor, not a host read.
     corpus_dir = _instruction_corpus(tmp_path) if sft else corpus_dir
-    overrides = [*TINY, f"dist.strategy={strategy}", f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
-                 f"log.every_steps={LOG_EVERY}", "ckpt.every_steps=0", "log.straggler_every=0", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "sync_worker.py"), str(tmp_path), *overrides]
+    overrides = [
+        *TINY,
+        f"dist.strategy={strategy}",
+        f"data.dir={corpus_dir}",
+        f"run.dir={tmp_path / 'run'}",
+        f"train.max_steps={STEPS}",
+        f"log.every_steps={LOG_EVERY}",
+        "ckpt.every_steps=0",
+        "log.straggler_every=0",
+        *extra,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(TESTS_DIR / "sync_worker.py"),
+        str(tmp_path),
+        *overrides,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env_for_subprocess())
     assert done.returncode == 0, done.stderr[-3000:]
     if extra:
-        assert [r["custom_metrics"] for r in read_metrics(tmp_path / "run")] == [["abs_err", "plateau", "target_mean"]] * 3
+        assert [r["custom_metrics"] for r in read_metrics(tmp_path / "run")] == [
+            ["abs_err", "plateau", "target_mean"]
+        ] * 3
     logged = {s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0 or s == STEPS}
     for rank in range(2):
         calls = json.loads((tmp_path / f"syncs-rank{rank}.json").read_text())["calls"]

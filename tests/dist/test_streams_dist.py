@@ -7,7 +7,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from helpers import run_ddptrain
 
 pytestmark = pytest.mark.dist

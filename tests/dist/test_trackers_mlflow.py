@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from helpers import env_for_subprocess, run_ddptrain
 from tracking_harness import MlflowServer
 
@@ -52,15 +51,28 @@ def only_run(client: object, experiment: str) -> object:
 
 
 @pytest.mark.timeout(420)
-def test_two_ranks_killed_then_resumed_at_one_rank_is_one_run(server: MlflowServer, corpus_dir: Path,
-                                                               tmp_path: Path) -> None:
+def test_two_ranks_killed_then_resumed_at_one_rank_is_one_run(
+    server: MlflowServer, corpus_dir: Path, tmp_path: Path
+) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     kwargs = {**GPT, "die_at_call": 4 * 2 + 1, "marker": str(marker), "rank": 0}  # 1st micro-batch of step 5
-    args = ["train", f"data.dir={corpus_dir}", f"run.dir={run_dir}", "model.block_size=32",
-            "model.target=toy:build_killable_gpt", "model.kwargs=" + str(kwargs).replace("'", ""),
-            "data.micro_batch_size=4", "train.global_batch_size=16", f"train.max_steps={STEPS}",
-            "train.warmup_steps=2", "train.eval_every=4", "log.every_steps=1", "ckpt.every_steps=3",
-            *tracked(server, "killed-and-resumed"), "log.track_artifacts=[report,model]"]
+    args = [
+        "train",
+        f"data.dir={corpus_dir}",
+        f"run.dir={run_dir}",
+        "model.block_size=32",
+        "model.target=toy:build_killable_gpt",
+        "model.kwargs=" + str(kwargs).replace("'", ""),
+        "data.micro_batch_size=4",
+        "train.global_batch_size=16",
+        f"train.max_steps={STEPS}",
+        "train.warmup_steps=2",
+        "train.eval_every=4",
+        "log.every_steps=1",
+        "ckpt.every_steps=3",
+        *tracked(server, "killed-and-resumed"),
+        "log.track_artifacts=[report,model]",
+    ]
     first = run_ddptrain(args, nproc=2, timeout=200)
     assert first.returncode != 0 and marker.exists(), first.stdout + first.stderr
     second = run_ddptrain(args, timeout=200)  # world size 1 now: accumulation 4 instead of 2
@@ -101,19 +113,38 @@ def test_server_down_mid_run_training_finishes_and_counts_what_it_lost(server: M
     run_dir, gates = tmp_path / "run", tmp_path / "gates"
     gates.mkdir()
     model = {"dim": 8, "gates": [5, 17], "gate_dir": str(gates)}
-    args = ["train", f"run.dir={run_dir}", "model.target=tracker_toy:build_gated_model",
-            "model.kwargs=" + str(model).replace("'", ""), "data.target=toy:build_datasets",
-            "data.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=20", "train.eval_every=0",
-            "log.every_steps=1", "ckpt.every_steps=0", "log.tracker_buffer=6", "log.tracker_flush_s=90",
-            *tracked(server, "outage")]
-    proc = subprocess.Popen([sys.executable, "-m", "ddptrain", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env_for_subprocess())
+    args = [
+        "train",
+        f"run.dir={run_dir}",
+        "model.target=tracker_toy:build_gated_model",
+        "model.kwargs=" + str(model).replace("'", ""),
+        "data.target=toy:build_datasets",
+        "data.micro_batch_size=8",
+        "train.global_batch_size=8",
+        "train.max_steps=20",
+        "train.eval_every=0",
+        "log.every_steps=1",
+        "ckpt.every_steps=0",
+        "log.tracker_buffer=6",
+        "log.tracker_flush_s=90",
+        *tracked(server, "outage"),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_for_subprocess(),
+    )
     try:
         client = server.client()
         wait_for(lambda: (gates / "waiting-5").exists(), 120, "step 5")
         run_id = lambda: re.search(r'"run_id": "(\w+)"', (run_dir / "trackers.json").read_text()).group(1)  # noqa: E731
-        wait_for(lambda: (run_dir / "trackers.json").exists() and "run_id" in (run_dir / "trackers.json").read_text(),
-                 60, "the MLflow run")
+        wait_for(
+            lambda: (run_dir / "trackers.json").exists() and "run_id" in (run_dir / "trackers.json").read_text(),
+            60,
+            "the MLflow run",
+        )
         wait_for(lambda: steps_of(client, run_id(), "train/loss") == [1, 2, 3, 4], 60, "steps 1-4 on the server")
         server.stop()
         (gates / "go-5").write_text("")
@@ -145,22 +176,37 @@ def runs_of(client: object, experiment: str) -> list[object]:
 
 
 @pytest.mark.timeout(420)
-def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(server: MlflowServer,
-                                                                           tmp_path: Path) -> None:
+def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(
+    server: MlflowServer, tmp_path: Path
+) -> None:
     """SIGKILL the moment the server holds the new run (before any metric), resume and Ctrl-C it, resume to
     the end: one MLflow run throughout, KILLED after the Ctrl-C, FINISHED at the end, each ending tagged."""
     run_dir, gates, log = tmp_path / "run", tmp_path / "gates", tmp_path / "attempts.log"
     gates.mkdir()
     model = {"dim": 8, "gates": [1, 5], "gate_dir": str(gates)}  # waits at the forwards of steps 1 and 5
-    args = ["train", f"run.dir={run_dir}", "model.target=tracker_toy:build_gated_model",
-            "model.kwargs=" + str(model).replace("'", ""), "data.target=toy:build_datasets",
-            "data.micro_batch_size=8", "train.global_batch_size=8", "train.max_steps=8", "train.eval_every=0",
-            "log.every_steps=1", "ckpt.every_steps=0", *tracked(server, "killed-as-it-opens")]
+    args = [
+        "train",
+        f"run.dir={run_dir}",
+        "model.target=tracker_toy:build_gated_model",
+        "model.kwargs=" + str(model).replace("'", ""),
+        "data.target=toy:build_datasets",
+        "data.micro_batch_size=8",
+        "train.global_batch_size=8",
+        "train.max_steps=8",
+        "train.eval_every=0",
+        "log.every_steps=1",
+        "ckpt.every_steps=0",
+        *tracked(server, "killed-as-it-opens"),
+    ]
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], stdout=open(log, "ab"),
-                                stderr=subprocess.STDOUT, env=env_for_subprocess(),
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddptrain", *args],
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            env=env_for_subprocess(),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
     client = server.client()
     proc = start()
@@ -199,11 +245,24 @@ def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(serve
 @pytest.mark.timeout(300)
 def test_metrics_of_your_own_and_an_early_stop_reach_mlflow(server: MlflowServer, tmp_path: Path) -> None:
     """tests/metrics_toy.py's metrics and train.metrics' are series of their own; an early stop is FINISHED."""
-    args = ["train", f"run.dir={tmp_path / 'run'}", "model.target=metrics_toy:plateau_model", "model.kwargs={peak: 2}",
-            "data.target=varlen_toy:bare_datasets", "train.metrics=metrics_toy:target_mean",
-            "data.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=20", "train.warmup_steps=0",
-            "train.eval_every=2", "train.eval_batches=1", "log.every_steps=1", "ckpt.every_steps=0",
-            "train.early_stop={metric: val_plateau, mode: max, patience: 1}", *tracked(server, "own-metrics")]
+    args = [
+        "train",
+        f"run.dir={tmp_path / 'run'}",
+        "model.target=metrics_toy:plateau_model",
+        "model.kwargs={peak: 2}",
+        "data.target=varlen_toy:bare_datasets",
+        "train.metrics=metrics_toy:target_mean",
+        "data.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.max_steps=20",
+        "train.warmup_steps=0",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "log.every_steps=1",
+        "ckpt.every_steps=0",
+        "train.early_stop={metric: val_plateau, mode: max, patience: 1}",
+        *tracked(server, "own-metrics"),
+    ]
     done = run_ddptrain(args, timeout=200)
     assert done.returncode == 0, done.stdout + done.stderr
     client = server.client()

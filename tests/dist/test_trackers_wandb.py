@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import TINY, run_ddptrain
 from tracking_harness import wandb_records
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'ddptrain[wandb]')")
+
 
 def history_and_config(run_file: Path) -> tuple[list[int], dict[str, str], str]:
     """(the steps of train/loss, the config, the run id) in one offline run file."""
@@ -32,8 +32,16 @@ def history_and_config(run_file: Path) -> tuple[list[int], dict[str, str], str]:
 @pytest.mark.timeout(300)
 def test_offline_run_resumed_continues_the_same_run(corpus_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["train", *TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}", "ckpt.every_steps=2",
-            "log.trackers=[wandb]", "log.wandb.mode=offline", "log.wandb.project=ddptrain-test"]
+    args = [
+        "train",
+        *TINY,
+        f"data.dir={corpus_dir}",
+        f"run.dir={run_dir}",
+        "ckpt.every_steps=2",
+        "log.trackers=[wandb]",
+        "log.wandb.mode=offline",
+        "log.wandb.project=ddptrain-test",
+    ]
     env = {"WANDB_SILENT": "true"}
     first = run_ddptrain([*args, "train.max_steps=4"], timeout=150, env=env)
     assert first.returncode == 0, first.stdout + first.stderr

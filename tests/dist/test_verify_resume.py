@@ -8,16 +8,23 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import folder_bytes, run_ddptrain
 
 from ddptrain.checkpoint.lease import RunLease, read_owner
 from ddptrain.run_folder import LEASE
-from helpers import folder_bytes, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
-ARGS = ["model.target=toy:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=8",
-        "train.global_batch_size=32", "train.max_steps=40", "train.eval_every=0", "ckpt.every_steps=20",
-        "log.every_steps=5"]
+ARGS = [
+    "model.target=toy:build_model",
+    "data.target=toy:build_datasets",
+    "data.micro_batch_size=8",
+    "train.global_batch_size=32",
+    "train.max_steps=40",
+    "train.eval_every=0",
+    "ckpt.every_steps=20",
+    "log.every_steps=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +43,10 @@ def test_replay_at_the_same_world_size_is_bit_identical(trained: Path) -> None:
     # The checkpoint is named by its path, not by a repr of its contents (once 3.6 KB on one line).
     assert "step-00000020 (saved at world size 2)" in proc.stdout and "VerifiedCheckpoint(" not in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) < 500, proc.stdout
-    assert "identical: logged steps 25, 30: sample ids, 4 parameter and 12 optimizer-state digests and losses are " \
-           "bit-identical" in proc.stdout, proc.stdout
+    assert (
+        "identical: logged steps 25, 30: sample ids, 4 parameter and 12 optimizer-state digests and losses are "
+        "bit-identical" in proc.stdout
+    ), proc.stdout
     print(proc.stdout)
 
 
@@ -99,10 +108,13 @@ def test_a_replay_leases_its_scratch_folder_and_leaves_the_runs_lease_alone(trai
         run_lease.release()
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--from", "7"], "no checkpoint for step 7 in"),
-    (["--steps", "0"], "--steps must be at least 1"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--from", "7"], "no checkpoint for step 7 in"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
 @pytest.mark.timeout(120)
 def test_bad_input_is_exit_2_with_one_line(trained: Path, args: list[str], expected: str) -> None:
     proc = run_ddptrain(["verify-resume", str(trained), *args], timeout=60)
