@@ -27,7 +27,7 @@ train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
 # Two pytest workers: most tests wait on child processes, sockets and timeouts rather than the CPU,
-# so two share 2 cores well (the cluster tests stay on one worker, in order: conftest.py).
+# so two share 2 cores well (each cluster test file stays on one worker, in order: tests/conftest.py).
 TEST_WORKERS ?= 2
 
 # `make test` asserts behaviour, never a timing: the measurements (marker `measure`: the straggler

@@ -31,9 +31,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if folder in FOLDER_MARKERS and item.get_closest_marker(folder) is None:
             item.add_marker(FOLDER_MARKERS[folder])
         if folder == "cluster":
-            # Under pytest-xdist (`make test`), the cluster tests run one after another on one worker:
-            # they build namespace hosts, bridges and services with fixed names and addresses.
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+            item.add_marker(pytest.mark.xdist_group(cluster_group(item.path)))
+
+
+def cluster_group(path: Path) -> str:
+    """The xdist group of a cluster test file: its tests run in order on one worker (they share its module
+    fixtures), while the two workers run different files. Namespace hosts carry random names and a subnet
+    of their worker's own (tests/cluster/netns.py), so two files' hosts never meet; the SLURM files share
+    one group, since every SLURM cluster leans on the machine's one munge daemon."""
+    return "cluster-slurm" if path.stem.startswith("test_slurm") else f"cluster-{path.stem}"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -135,7 +135,9 @@ class Cluster:
 
     def __init__(self, n: int) -> None:
         self.tag = secrets.token_hex(3)[:5]
-        self.subnet = int(self.tag, 16) % 250 + 1
+        # Odd subnets for one pytest-xdist worker, even for the other: two workers' clusters never share one.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        self.subnet = (int(self.tag, 16) % 125) * 2 + (int(worker) if worker.isdigit() else 0) % 2 + 1
         self.bridge = f"ddb{self.tag}"
         self.nodes: list[Node] = []
         _ip("link", "add", self.bridge, "type", "bridge")
