@@ -23,6 +23,8 @@ from ddptrain.review.story import tell
 
 pytestmark = pytest.mark.dist
 
+STEPS = int(next(a for a in reversed(TOY) if a.startswith("train.max_steps=")).split("=")[1])  # the toy's length
+
 
 def start(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     """`ddptrain train` with SIGINT handled as in a terminal (a background shell would have it ignored)."""
@@ -60,13 +62,13 @@ def test_report_tells_interrupted_preempted_crashed_and_completed_apart(
     assert ends == [("interrupted", 130), ("preempted", 75), ("completed", 0)]  # the kill left none
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "status: finished (30 steps)" in out
+    assert f"status: finished ({STEPS} steps)" in out
     assert "attempts: interrupted, preempted, crashed, completed" in out, out
     lines = [line for line in out.splitlines() if line.startswith("  attempt ")]
     assert "interrupted by SIGINT at step" in lines[0] and "checkpoint committed (exit 130)" in lines[0], out
     assert "preempted by SIGTERM at step" in lines[1] and "(exit 75)" in lines[1], out
     assert "crashed: ended without an end record" in lines[2], out
-    assert "completed at step 30 (exit 0)" in lines[3], out
+    assert f"completed at step {STEPS} (exit 0)" in lines[3], out
 
     records, _ = read_records(run_dir / "metrics.jsonl")
     marks = [
