@@ -285,3 +285,17 @@ def test_mlflow_without_a_uri_records_into_the_run_folder_never_the_working_dire
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 7))
     assert run.info.artifact_uri.startswith((run_dir / "mlartifacts").as_uri())
     assert any((run_dir / "mlartifacts").rglob("*.png"))
+
+
+def test_the_csv_tracker_never_writes_through_a_link_planted_in_the_run_folder(tmp_path: Path) -> None:
+    """metrics.csv as a symbolic link to a file outside the run folder: refused, the target unchanged."""
+    from ddptrain.observe.trackers.csv_sink import FILE, CsvSink
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / FILE).symlink_to(outside)
+    with pytest.raises(OSError):
+        CsvSink(run_dir / FILE)
+    assert outside.read_text() == "keep me\n"

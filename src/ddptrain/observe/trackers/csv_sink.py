@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 from ddptrain.config import Config
 from ddptrain.observe.endings import is_end_record
 from ddptrain.observe.trackers.base import record_points, record_series
 from ddptrain.observe.trackers.state import TrackerState
+from ddptrain.safe_files import ensure_dir, open_append_no_follow
 
 FILE = "metrics.csv"
 HEADER = ("step", "time", "series", "metric", "value")
@@ -32,11 +33,11 @@ class CsvSink:
     name = "csv"
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not path.is_file() or path.stat().st_size == 0
-        self._file: TextIO = path.open("a", newline="", encoding="utf-8")
+        ensure_dir(path.parent)
+        # Never through a link planted in the run folder; a file opened for appending stands at its end.
+        self._file: IO[str] = open_append_no_follow(path, newline="", encoding="utf-8")
         self._rows = csv.writer(self._file)
-        if fresh:
+        if self._file.seek(0, 2) == 0:
             self._rows.writerow(HEADER)
 
     def write(self, record: dict[str, Any]) -> None:
