@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import json
@@ -19,6 +20,7 @@ from typing import Any, Literal
 import pytest
 import torch
 from toys import TINY
+from zygote import Zygote
 
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
@@ -107,10 +109,11 @@ def run_ddptrain(
     if nproc and launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "ddptrain", *args]
-    elif nproc:
-        cmd = [sys.executable, "-m", "ddptrain", "launch", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
-        cmd += ["--", *args]
     else:
+        if nproc:
+            args = ["launch", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--", *args]
+        if use_zygote():
+            return _zygote().run(args, env_for_subprocess(env), cwd, timeout, max_file_bytes)
         cmd = [sys.executable, "-m", "ddptrain", *args]
     return subprocess.run(
         cmd,
@@ -121,6 +124,40 @@ def run_ddptrain(
         cwd=cwd,
         preexec_fn=limit if max_file_bytes is not None else None,
     )
+
+
+def start_ddptrain(
+    args: list[str],
+    *,
+    nproc: int = 0,
+    env: dict[str, str] | None = None,
+    **popen_options: Any,
+) -> Any:
+    """Start `python -m ddptrain ARGS` (with nproc > 0: on N local workers through `ddptrain launch`, as
+    run_ddptrain does) without waiting: a subprocess.Popen, or the zygote's process with the same interface.
+    popen_options: stdout, stderr, text, cwd, start_new_session."""
+    if nproc:
+        args = ["launch", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--", *args]
+    if use_zygote():
+        return _zygote().start(args, env_for_subprocess(env), **popen_options)
+    return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], env=env_for_subprocess(env), **popen_options)
+
+
+def use_zygote() -> bool:
+    """Whether run_ddptrain forks its `python -m ddptrain` processes from the preloaded test zygote
+    (tests/zygote.py) instead of starting interpreters: yes unless DDPTRAIN_TEST_ZYGOTE=0."""
+    return os.environ.get("DDPTRAIN_TEST_ZYGOTE", "1") != "0"
+
+
+_ZYGOTES: list[Zygote] = []
+
+
+def _zygote() -> Zygote:
+    """This pytest process's zygote, started on first use and ended with the process."""
+    if not _ZYGOTES:
+        _ZYGOTES.append(Zygote(env_for_subprocess()))
+        atexit.register(_ZYGOTES[0].close)
+    return _ZYGOTES[0]
 
 
 def cached_run(

@@ -15,13 +15,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import env_for_subprocess
+from helpers import env_for_subprocess, start_ddptrain
 from test_lighthouse import listening_addresses
 
 pytestmark = pytest.mark.dist
@@ -87,13 +86,8 @@ def test_two_local_groups_restart_alone_and_finish(tmp_path: Path) -> None:
         "--",
         "doctor",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "launch", *argv],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+    proc = start_ddptrain(
+        ["launch", *argv], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
         first = starts(probe, 4, proc)  # 4 workers split into 2 groups of 2

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, one_error_line, run_ddptrain
+from helpers import env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("torchft")
@@ -72,12 +72,7 @@ def wait_for_text(path: Path, text: str, timeout: float = 90) -> None:
 def lighthouse(tmp_path: Path) -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "lighthouse.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "lighthouse", "--bind", address],
-        env=env_for_subprocess(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_ddptrain(["lighthouse", "--bind", address], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_listening(address, proc)
         yield address

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
+from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics, start_ddptrain
 from toys import STOPPABLE
 
 import ddptrain
@@ -26,15 +27,9 @@ TOY = STOPPABLE
 SLOW = "model.kwargs.step_sleep=0.1"
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """The command with SIGINT handled as in a terminal (a background shell would have it ignored)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *argv],
-        env=env_for_subprocess(),
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+def start(argv: list[str], log: Path) -> Any:
+    """The command with SIGINT handled as in a terminal (start_ddptrain's processes have it so)."""
+    return start_ddptrain(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:

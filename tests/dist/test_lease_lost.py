@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import env_for_subprocess
+from helpers import start_ddptrain
 from toys import FAULTY
 
 from ddptrain.errors import EXIT_LEASE_LOST
@@ -28,10 +29,9 @@ pytestmark = pytest.mark.dist
 TOY = [*FAULTY, "model.kwargs.step_sleep=0.02"]
 
 
-def start(args: list[str], out: Path, launch: list[str] = []) -> subprocess.Popen[str]:  # noqa: B006 - never mutated
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *launch, "train", *TOY, *args],
-        env=env_for_subprocess(),
+def start(args: list[str], out: Path, launch: list[str] = []) -> Any:  # noqa: B006 - never mutated
+    return start_ddptrain(
+        [*launch, "train", *TOY, *args],
         stdout=open(out.with_suffix(".out"), "w"),
         stderr=open(out.with_suffix(".err"), "w"),
     )

@@ -6,12 +6,11 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import env_for_subprocess
+from helpers import start_ddptrain
 
 from ddptrain.cli import main
 
@@ -40,12 +39,8 @@ def listening_addresses(port: int) -> set[str]:
 @pytest.mark.timeout(60)
 def test_the_lighthouse_binds_the_address_given_forms_a_quorum_and_stops_on_sigterm() -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "lighthouse", "--bind", f"127.0.0.1:{port}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env_for_subprocess(),
+    proc = start_ddptrain(
+        ["lighthouse", "--bind", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None

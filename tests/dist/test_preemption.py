@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics
+from helpers import cached_run, final_model_state, read_metrics, start_ddptrain
 from toys import STOPPABLE
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
@@ -23,13 +23,8 @@ TOY = STOPPABLE
 SLOW = "model.kwargs.step_sleep=0.1"
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *argv],
-        env=env_for_subprocess(),
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-    )
+def start(argv: list[str], log: Path) -> Any:
+    return start_ddptrain(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import sysconfig
 import threading
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from helpers import TINY, env_for_subprocess
+from helpers import TINY, start_ddptrain
 
 from ddptrain.config import DataConfig
 from ddptrain.data.corpus import PrepareOptions, corpus_ready, prepare_corpus, read_meta, stdlib_sources
@@ -60,14 +59,7 @@ class Reader(threading.Thread):
 
 def _start(args: list[str], log: Path, cwd: Path) -> tuple[subprocess.Popen[str], IO[str]]:
     out = open(log, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=cwd,
-        env=env_for_subprocess(),
-    )
+    proc = start_ddptrain(args, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     return proc, out
 
 

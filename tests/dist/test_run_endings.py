@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, read_metrics
+from helpers import read_metrics, start_ddptrain
 from test_interrupt import SLOW, TOY, wait_for_step
 
 from ddptrain.cli import main
@@ -26,15 +26,9 @@ pytestmark = pytest.mark.dist
 STEPS = int(next(a for a in reversed(TOY) if a.startswith("train.max_steps=")).split("=")[1])  # the toy's length
 
 
-def start(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    """`ddptrain train` with SIGINT handled as in a terminal (a background shell would have it ignored)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "train", *TOY, SLOW, f"run.dir={run_dir}"],
-        env=env_for_subprocess(),
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+def start(run_dir: Path, log: Path) -> Any:
+    """`ddptrain train` with SIGINT handled as in a terminal (start_ddptrain's processes have it so)."""
+    return start_ddptrain(["train", *TOY, SLOW, f"run.dir={run_dir}"], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
 def last_step(run_dir: Path) -> int:

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, folder_bytes, one_error_line, read_metrics, run_ddptrain
+from helpers import env_for_subprocess, folder_bytes, one_error_line, read_metrics, run_ddptrain, start_ddptrain
 from toys import TINY
 
 from ddptrain.checkpoint.manifest import manifest_checksum
@@ -202,23 +203,17 @@ def test_planted_links_are_never_followed(tiny_args: list[str], tmp_path: Path) 
     assert (victim / "precious.txt").read_text() == "keep me" and snapshot(run_dir) == before
 
 
-def start(args: list[str], nproc: int = 0) -> subprocess.Popen[str]:
-    cmd = (
-        [sys.executable, "-m", "ddptrain", *args]
-        if not nproc
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "ddptrain",
-            *args,
-        ]
-    )
+def start(args: list[str], nproc: int = 0) -> Any:
+    if not nproc:
+        return start_ddptrain(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "ddptrain"]
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_subprocess(), start_new_session=True
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_for_subprocess(),
+        start_new_session=True,
     )
 
 

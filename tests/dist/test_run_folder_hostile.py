@@ -18,13 +18,12 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY, env_for_subprocess, mounted_tmpfs, one_error_line, run_ddptrain
+from helpers import TINY, mounted_tmpfs, one_error_line, run_ddptrain, start_ddptrain
 
 from ddptrain.cli import main
 
@@ -256,13 +255,7 @@ def fill(folder: Path) -> None:
 def test_a_disk_that_fills_up_mid_run_stops_it_naming_the_file_and_step(corpus_dir: Path, small_disk: Path) -> None:
     run_dir = small_disk / "run"
     args = [*TINY, f"data.dir={corpus_dir}", f"run.dir={run_dir}", "train.max_steps=100000", "ckpt.every_steps=100000"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env_for_subprocess(),
-    )
+    proc = start_ddptrain(["train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         metrics = run_dir / "metrics.jsonl"

@@ -11,13 +11,13 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, run_ddptrain
+from helpers import run_ddptrain, start_ddptrain
 from tracking_harness import MlflowServer
 
 pytestmark = pytest.mark.dist
@@ -129,13 +129,7 @@ def test_server_down_mid_run_training_finishes_and_counts_what_it_lost(server: M
         "log.tracker_flush_s=90",
         *tracked(server, "outage"),
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env_for_subprocess(),
-    )
+    proc = start_ddptrain(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = server.client()
         wait_for(lambda: (gates / "waiting-5").exists(), 120, "step 5")
@@ -199,14 +193,8 @@ def test_killed_as_its_run_opens_then_interrupted_then_finished_is_one_run(
         *tracked(server, "killed-as-it-opens"),
     ]
 
-    def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ddptrain", *args],
-            stdout=open(log, "ab"),
-            stderr=subprocess.STDOUT,
-            env=env_for_subprocess(),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+    def start() -> Any:  # SIGINT handled as in a terminal (start_ddptrain's processes have it so)
+        return start_ddptrain(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
     client = server.client()
     proc = start()

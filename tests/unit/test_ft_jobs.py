@@ -7,7 +7,6 @@ import contextlib
 import io
 import shlex
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +133,18 @@ def test_k8s_lighthouse_values_are_refused_or_carried_through(image: str, namesp
 
 # srun on the stub cluster: the training step (`bash -c CMD`) runs its command; the Lighthouse step
 # (`srun OPTIONS PYTHON -m ddptrain lighthouse ...`) runs its interpreter with ARGV_RECORD pointed elsewhere.
+# A real training step lasts the whole job; the stub's would end at once, and the job's end stops the
+# Lighthouse step, on a busy machine before it has started: the stub training step waits for the
+# Lighthouse's whole record (5 words) first (bounded), so the order is the same on any machine.
 STUB_SRUN_FT = """#!/bin/bash
 while [ "$#" -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
-if [ "$1" = bash ]; then exec "$@"; fi
+if [ "$1" = bash ]; then
+    for _ in $(seq 1200); do
+        [ -f "$LIGHTHOUSE_RECORD" ] && [ "$(tr -cd '\\0' < "$LIGHTHOUSE_RECORD" | wc -c)" -ge 5 ] && break
+        sleep 0.05
+    done
+    exec "$@"
+fi
 ARGV_RECORD="$LIGHTHOUSE_RECORD" exec "$@"
 """
 
@@ -170,11 +178,6 @@ def test_any_interpreter_path_runs_the_lighthouse_as_one_word(folder: str) -> No
         assert (
             argv[argv.index("--replica-group") + 1] == "0" and argv[argv.index("--lighthouse") + 1] == "10.0.0.7:10042"
         )
-        # The Lighthouse step runs beside the training step: it may come second, and its record is written
-        # after the file is created. Waiting for the whole record (5 words) is bounded only as a hang guard.
-        deadline = time.monotonic() + 120
-        while (not lighthouse.exists() or lighthouse.read_bytes().count(b"\0") < 5) and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert lighthouse.read_bytes().decode().split("\0")[:-1] == [
             "-m",
             "ddptrain",
