@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from jinja2 import Template, TemplateError
@@ -45,7 +46,7 @@ class _PastBound(Exception):
 class _TickingCodeGenerator(CodeGenerator):
     """jinja2's code generator, with a call to `environment.tick()` at the start of every block."""
 
-    def blockvisit(self, nodes: Any, frame: Frame) -> None:
+    def blockvisit(self, nodes: Iterable[Node], frame: Frame) -> None:
         """The block as jinja2 writes it, after a deadline check (loop bodies and macros are blocks)."""
         self.writeline("environment.tick()")
         super().blockvisit(nodes, frame)

@@ -37,6 +37,7 @@ from ddptrain.data.sources import (
     json_line,
     jsonl_lines,
     line_number,
+    utf8,
 )
 from ddptrain.data.tokenizer import EOS_TOKEN, Tokenizer
 from ddptrain.errors import ConfigError, DataError
@@ -187,14 +188,22 @@ def record_spans(line: bytes, spec: SftSpec) -> list[tuple[str, bool]]:
     if not isinstance(record, dict):
         raise _BadRecord(f"a record must be a JSON object, not {type(record).__name__}")
     if spec.chat:
-        return chat_spans(_messages(record.get(spec.fields[0]), spec.fields[0]), spec)
-    texts: list[str] = []
-    for name in spec.fields:
-        value = record.get(name)
-        if not isinstance(value, str):
-            raise _BadRecord(f"no string field {name!r} (--sft {','.join(spec.fields)})")
-        texts.append(value)
-    return [(texts[0], False), (texts[1], True)]
+        spans = chat_spans(_messages(record.get(spec.fields[0]), spec.fields[0]), spec)
+    else:
+        texts: list[str] = []
+        for name in spec.fields:
+            value = record.get(name)
+            if not isinstance(value, str):
+                raise _BadRecord(f"no string field {name!r} (--sft {','.join(spec.fields)})")
+            texts.append(value)
+        spans = [(texts[0], False), (texts[1], True)]
+    for text, _ in spans:
+        if not text.isascii():
+            try:
+                utf8(text)
+            except BadJsonLine as e:
+                raise _BadRecord(str(e)) from None
+    return spans
 
 
 def _piece_spans(piece: Piece, spec: SftSpec) -> Iterator[tuple[list[tuple[str, bool]], int]]:

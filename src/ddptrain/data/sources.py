@@ -102,7 +102,7 @@ def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:
             raise DataError(f"cannot read {piece.path}: {e.strerror}") from None
         return
     for line, offset in jsonl_lines(piece):
-        yield _jsonl_text(line, piece.path, offset, text_field).encode("utf-8")
+        yield _jsonl_text(line, piece.path, offset, text_field)
 
 
 def jsonl_lines(piece: Piece) -> Iterator[tuple[bytes, int]]:
@@ -156,15 +156,23 @@ def json_line(line: bytes) -> Any:
         raise BadJsonLine("JSON nested too deep", f"over about {sys.getrecursionlimit()} levels") from None
 
 
-def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
+def utf8(text: str) -> bytes:
+    """A parsed string as UTF-8; BadJsonLine for a lone surrogate (JSON's "\\ud800", or its bytes), which has none."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadJsonLine("a lone surrogate", f"\\u{ord(text[e.start]):04x} has no UTF-8 form") from None
+
+
+def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> bytes:
     try:
         record = json_line(line)
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --text-field)")
+        return utf8(text)
     except BadJsonLine as e:
         raise DataError(f"{path}: {e.what} in the line at byte {offset}: {e.detail}") from None
-    text = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --text-field)")
-    return text
 
 
 def iter_pieces(files: list[Path]) -> Iterator[Piece]:
