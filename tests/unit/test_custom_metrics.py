@@ -147,6 +147,10 @@ def test_early_stop_on_a_metric_nan_at_every_evaluation_stops_cleanly(
     assert f"finished early at step 4: {reason}" in out + err
     end = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert end["event"] == "finished_early" and end["exit_code"] == 0 and reason in end["reason"]
+    # eval of a model.target: its loss, no perplexity (exp of an MSE means nothing)
+    assert main(["eval", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert ", loss " in printed and "perplexity" not in printed, printed
 
 
 def test_a_metric_no_evaluation_records_exits_2_before_training(
