@@ -95,30 +95,36 @@ def _local_folder(path: str, key: str, needs: str) -> Path:
 
 
 def check_hf_config(cfg: HFModelConfig) -> None:
-    """ConfigError, before anything is built or written, for a model_type transformers does not know (naming the
-    closest few) and for a key of an inline model.hf.config its config class does not define."""
-    require_hf("model.hf")
-    _offline()
-    from transformers import AutoConfig
+    """ConfigError, before a run writes anything, for a model_type transformers does not know (naming the closest
+    few) and for a key of an inline model.hf.config its config class does not define. Checked when a run starts,
+    not when eval or export rebuild a trained model: a key transformers ignored then changes nothing now."""
+    _check_model_types(cfg)
+    if isinstance(cfg.config, dict):
+        from transformers import AutoConfig
 
-    if cfg.pretrained is not None:
-        _check_model_type(_folder_model_type(Path(cfg.pretrained)), "model.hf.pretrained")
-    elif isinstance(cfg.config, dict):
         fields = dict(cfg.config)
-        model_type = fields.pop("model_type")
-        _check_model_type(model_type, "model.hf.config.model_type")
         try:
-            config = AutoConfig.for_model(model_type, **fields)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"model.hf: transformers cannot build this model: {_first_line(e)}") from None
         _check_config_keys(config, fields)
+
+
+def _check_model_types(cfg: HFModelConfig) -> None:
+    """The model_type of model.hf (inline, or in its folder's config.json) checked against transformers' list."""
+    require_hf("model.hf")
+    _offline()
+    if cfg.pretrained is not None:
+        _check_model_type(_folder_model_type(Path(cfg.pretrained)), "model.hf.pretrained")
+    elif isinstance(cfg.config, dict):
+        _check_model_type(cfg.config.get("model_type"), "model.hf.config.model_type")
     elif cfg.config is not None:
         _check_model_type(_folder_model_type(Path(cfg.config)), "model.hf.config")
 
 
 def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
     """The transformers model named by model.hf, wrapped for the trainer."""
-    check_hf_config(cfg)
+    _check_model_types(cfg)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -182,7 +188,7 @@ def _check_config_keys(config: Any, fields: dict[str, Any]) -> None:
     (attribute_map, e.g. gpt2's hidden_size), or transformers consumed it (rope_theta into rope_parameters)."""
     try:
         defined = set(type(config)().to_dict()) | set(getattr(config, "attribute_map", {}))
-    except (ValueError, TypeError):  # a class without defaults for everything: nothing to compare with
+    except (ValueError, TypeError, KeyError, AttributeError):  # no defaults for everything: nothing to compare
         return
     stored = config.to_dict()
     for key in sorted(fields):
