@@ -205,7 +205,7 @@ CONTENT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     [
         (  # nested loops over large ranges: 10^10 iterations
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CONTENT,
-            "the chat template was stopped: it ran past its limit of 1 s per record",
+            "the chat template was stopped: it ran past its limit of 0.5 s per record",
             "2",
         ),
         ("{{ 'x' * 1000000000 }}", "a repetition would be larger than 16,777,216 items", "1"),
@@ -233,12 +233,12 @@ def test_a_chat_template_that_never_ends_or_fails_exits_2_in_one_line_and_leaves
     message: str,
     workers: str,
 ) -> None:
-    """Rendering is bounded in time (RENDER_TIME_S per record, 1 s here to keep the test short; forked workers
+    """Rendering is bounded in time (RENDER_TIME_S per record, 0.5 s here to keep the test short; forked workers
     inherit it) and size; whatever the template does, prepare exits 2 with the record's line, and the --out it
     would have made (its private folder and lock within) is gone."""
     from ddptrain.data import chat_template
 
-    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 1.0)
+    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 0.5)
     source = tmp_path / "chat.jsonl"
     conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     source.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(40)))
