@@ -45,3 +45,8 @@ def target_mean(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
 def per_sample(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     """train.metrics returning a tensor per sample, not a scalar."""
     return {"targets": batch[:, -1]}
+
+
+def always_nan(outputs: Any, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+    """train.metrics: a metric that is NaN at every step and evaluation (early stopping on it never improves)."""
+    return {"nothing": torch.tensor(float("nan"))}

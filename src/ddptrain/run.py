@@ -67,7 +67,7 @@ from ddptrain.errors import (
     UserError,
 )
 from ddptrain.ft_env import FaultToleranceEnv, read_ft_env
-from ddptrain.models import build_model, fit_vocab_to_data
+from ddptrain.models import build_model, check_model_config, fit_vocab_to_data
 from ddptrain.observe.certificate import Certificate, CertificateWriter
 from ddptrain.observe.endings import end_record
 from ddptrain.observe.forensics import enable_flight_recorder
@@ -437,6 +437,7 @@ def train(
     timeline.mark("imports_done")
     cfg = resolve_config(config, overrides)
     cfg, model, datasets = settle_sources(cfg, model, datasets)  # a refusal writes nothing, not even the rank logs
+    check_model_config(cfg.model)  # nor does a model.hf model_type or config key transformers does not know
     checked_hooks = Hooks(hooks)
     watch = AgentWatch.under_agent()  # a worker of torchrun's agent stops when the agent dies
     try:

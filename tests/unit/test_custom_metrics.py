@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -123,6 +124,33 @@ def test_a_nan_never_improves_and_another_metric_starts_afresh() -> None:
     assert not other.stopped
     with pytest.raises(ConfigError, match=r"'val_acc' is not recorded at evaluations \(they record \['val_loss'\]\)"):
         other.observe({"step": 3, "val_loss": 1.0}, 3)
+
+
+def test_early_stop_on_a_metric_nan_at_every_evaluation_stops_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN never improves: patience evaluations of NaN end the run as any early stop does (exit 0), the reason
+    saying no evaluation gave a number (it once raised TypeError formatting the best value, None)."""
+    from ddptrain.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "model.target=metrics_toy:plateau_model", "data.target=varlen_toy:bare_datasets"]
+    argv += ["train.metrics=metrics_toy:always_nan", "data.micro_batch_size=2", "train.global_batch_size=2"]
+    argv += ["train.max_steps=20", "train.warmup_steps=0", "train.eval_every=2", "train.eval_batches=1"]
+    argv += ["train.early_stop={metric: val_nothing, patience: 2}", f"run.dir={run}"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    reason = (
+        "early stop: val_nothing did not improve by more than 0 (min) in 2 evaluations; no evaluation gave a number"
+    )
+    assert f"finished early at step 4: {reason}" in out + err
+    end = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["event"] == "finished_early" and end["exit_code"] == 0 and reason in end["reason"]
+    # eval of a model.target: its loss, no perplexity (exp of an MSE means nothing)
+    assert main(["eval", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert ", loss " in printed and "perplexity" not in printed, printed
 
 
 def test_a_metric_no_evaluation_records_exits_2_before_training(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_run_records
+from helpers import TINY, one_line_exit_2, write_run_records
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
@@ -153,6 +153,30 @@ def test_a_mixture_of_corpora_with_different_vocabularies_is_refused(tmp_path: P
         check_resume(
             "step-00000004", {}, {"data": same.resume_identity()}, {}, {"data": other_weights.resume_identity()}
         )
+
+
+def test_a_resume_after_a_source_was_prepared_again_names_that_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same names and weights, one source's corpus changed: the refusal names it (not `a 1.0, b 1.0 -> a 1.0, b 1.0`)."""
+    from ddptrain.cli import main
+    from ddptrain.data.corpus import read_meta
+
+    text = Path(argparse.__file__)
+    prepare_corpus([text], tmp_path / "a", 0.1)
+    prepare_corpus([text], tmp_path / "b", 0.1)
+    sources = (
+        f"data.sources=[{{name: a, weight: 1, dir: {tmp_path / 'a'}}}, {{name: b, weight: 1, dir: {tmp_path / 'b'}}}]"
+    )
+    argv = ["train", *TINY, sources, f"run.dir={tmp_path / 'run'}", "train.max_steps=2", "train.eval_every=0"]
+    assert main(argv) == 0
+    before = read_meta(tmp_path / "b")["recipe"]
+    prepare_corpus([Path(random.__file__)], tmp_path / "b", 0.1)
+    assert read_meta(tmp_path / "b")["recipe"] != before
+    capsys.readouterr()
+    line = one_line_exit_2([*argv[:-2], "train.max_steps=4", "train.eval_every=0"], capsys)
+    assert "cannot resume from step-00000002: changed data.sources b.dir (corpus SHA-256 " in line, line
+    assert "data.sources a" not in line
 
 
 def test_the_report_draws_each_sources_share_of_every_log_window(tmp_path: Path) -> None:

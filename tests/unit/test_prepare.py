@@ -6,12 +6,13 @@ import hashlib
 import json
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import load_token_datasets
-from hypothesis import given, settings
+from helpers import load_token_datasets, one_line_exit_2
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddptrain.data.corpus import PrepareOptions, prepare_corpus, read_meta
@@ -121,6 +122,49 @@ def test_jsonl_documents_and_bad_lines(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     with pytest.raises(DataError, match="invalid JSON in the line at byte 17"):
         prepare_corpus([tmp_path / "bad.jsonl"], tmp_path / "out3", 0.1)
+
+
+NOT_UTF8 = [b"\xe9", b"\xff", b"\xc3(", b"\xf0\x90\x80"]
+SURROGATES = [b"\\ud800", b"\\udfff", b"\xed\xa0\x80"]  # JSON's escape, or UTF-8's form of it: no UTF-8 text
+DEEP = st.tuples(st.sampled_from([("[", "]"), ('{"a":', "}")]), st.integers(2_000, 100_000))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bad=st.one_of(st.tuples(st.sampled_from(NOT_UTF8 + SURROGATES), st.integers(0, 40)), DEEP),
+    sft=st.booleans(),
+    good=st.integers(0, 3),
+)
+def test_a_jsonl_line_not_utf8_or_nested_too_deep_exits_2_in_one_line(
+    tmp_path_factory: pytest.TempPathFactory,
+    capsys: pytest.CaptureFixture[str],
+    bad: tuple[Any, int],
+    sft: bool,
+    good: int,
+) -> None:
+    """Bytes that are not UTF-8 or a lone surrogate inside a record, or a record nested deeper than json can
+    parse (up to 100,000 deep: a RecursionError inside json): exit 2, one line naming the file and the line,
+    no --out left behind."""
+    tmp = tmp_path_factory.mktemp("jsonl")
+    record = {"text": "fine " * 10, "prompt": "p", "completion": "c"}
+    lines = [json.dumps(record).encode()] * good
+    if isinstance(bad[0], bytes):
+        text, at = b"x" * 40, bad[1]
+        value = text[:at] + bad[0] + text[at:]
+        lines.append(b'{"text": "' + value + b'", "prompt": "p", "completion": "' + value + b'"}')
+        what = "a lone surrogate" if bad[0] in SURROGATES else "bytes that are not UTF-8"
+    else:
+        (opening, closing), depth = bad
+        lines.append((opening * depth + "1" + closing * depth).encode())
+        what = "JSON nested too deep"
+    source = tmp / "records.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp / "out"
+    argv = ["prepare", str(source), "--out", str(out), *(["--sft", "prompt,completion"] if sft else [])]
+    line = one_line_exit_2(argv, capsys)
+    at_byte = good * (len(lines[0]) + 1)
+    assert (f"{source}, line {good + 1}: {what}" if sft else f"{source}: {what} in the line at byte {at_byte}") in line
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("spec", ["train:100", "train:x", "no/such/tokenizer.json"])

@@ -118,8 +118,8 @@ CHATML = (
 )
 
 
-def _tokenizer_folder(folder: Path) -> Path:
-    """A transformers tokenizer folder: byte-level tokenizer.json with ChatML's special tokens, and its chat template."""
+def _tokenizer_folder(folder: Path, template: str = CHATML) -> Path:
+    """A transformers tokenizer folder: byte-level tokenizer.json with ChatML's special tokens, and a chat template."""
     from tokenizers import Tokenizer as HFTokenizer
 
     folder.mkdir()
@@ -127,7 +127,7 @@ def _tokenizer_folder(folder: Path) -> Path:
     hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
     hf.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     hf.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}
+    config = {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -194,6 +194,59 @@ def test_a_bad_record_exits_2_naming_file_and_line_and_writes_nothing(
     line = one_line_exit_2(["prepare", str(source), "--out", str(out), "--sft", sft], capsys)
     assert f"{source}, line 3: {message}" in line
     assert folder_bytes(out) == before
+
+
+CONTENT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.timeout(120, method="thread")  # a rendering that never ends fails the run instead of hanging it
+@pytest.mark.parametrize(
+    ("template", "message", "workers"),
+    [
+        (  # nested loops over large ranges: 10^10 iterations
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CONTENT,
+            "the chat template was stopped: it ran past its limit of 0.5 s per record",
+            "2",
+        ),
+        ("{{ 'x' * 1000000000 }}", "a repetition would be larger than 16,777,216 items", "1"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "namespace attribute 's' would be larger than 16,777,216 items",
+            "1",
+        ),
+        ("{% for i in range(2000) %}{{ 'y' * 10000 }}{% endfor %}", "its output would be larger than 16,777,216", "1"),
+        ("{{ 10 ** 1000000000 }}", "a power would be larger than 16,777,216 bits", "1"),
+        ("{% for i in range(10000000) %}{% endfor %}", "OverflowError: Range too big", "1"),
+        ("{{ ''.__class__.__mro__ }}", "access to attribute '__class__' of 'str' object is unsafe", "1"),
+        ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "RecursionError: maximum recursion depth", "1"),
+        ("{{ raise_exception('no tools here') }}", "the chat template refused the record: no tools here", "1"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero", "1"),
+        ("{% for %}", "the chat template failed on it: Expected an expression", "1"),
+    ],
+    ids=["loops", "repeat", "namespace", "output", "power", "range", "unsafe", "recursion", "raise", "zero", "syntax"],
+)
+def test_a_chat_template_that_never_ends_or_fails_exits_2_in_one_line_and_leaves_nothing(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    template: str,
+    message: str,
+    workers: str,
+) -> None:
+    """Rendering is bounded in time (RENDER_TIME_S per record, 0.5 s here to keep the test short; forked workers
+    inherit it) and size; whatever the template does, prepare exits 2 with the record's line, and the --out it
+    would have made (its private folder and lock within) is gone."""
+    from ddptrain.data import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_TIME_S", 0.5)
+    source = tmp_path / "chat.jsonl"
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    source.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(40)))
+    folder, out = _tokenizer_folder(tmp_path / "tok", template), tmp_path / "new" / "corpus"
+    argv = ["prepare", str(source), "--out", str(out), "--sft", "messages", "--tokenizer", str(folder)]
+    line = one_line_exit_2([*argv, "--workers", workers], capsys)
+    assert f"{source}, line 1: " in line and message in line, line
+    assert not (tmp_path / "new").exists()
 
 
 def test_masked_loss_is_the_mean_over_answer_tokens_of_all_micro_batches(tmp_path: Path) -> None:

@@ -93,8 +93,21 @@ def _data_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if saved.get("source") == "target":
         return [ConfigChange("data.kwargs", saved.get("kwargs"), now.get("kwargs")).describe()]
     if saved.get("source") == "mixture":  # the saved position names other samples under other parts or weights
-        return [f"data.sources ({_parts(saved)} -> {_parts(now)})"]
+        return _mixture_conflicts(saved, now)
     return [f"data.dir (corpus SHA-256 {str(saved.get('sha256'))[:12]} -> {str(now.get('sha256'))[:12]})"]
+
+
+def _mixture_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The same names and weights: each part whose content changed (`data.sources b.dir (corpus SHA-256 ...)`);
+    else the names and weights, before and after."""
+    old_parts, new_parts = saved.get("parts"), now.get("parts")
+    if _parts(saved) != _parts(now) or not isinstance(old_parts, list) or not isinstance(new_parts, list):
+        return [f"data.sources ({_parts(saved)} -> {_parts(now)})"]
+    changed = []
+    for old, new in zip(old_parts, new_parts):
+        for conflict in _data_conflicts(old, new) if isinstance(old, dict) and isinstance(new, dict) else []:
+            changed.append(f"data.sources {old.get('name')}.{conflict.removeprefix('data.')}")
+    return changed or [f"data.sources ({_parts(saved)} -> {_parts(now)})"]
 
 
 def check_resume(

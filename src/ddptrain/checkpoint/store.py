@@ -66,8 +66,18 @@ def select_checkpoint(run_dir: Path, step: int | None, warn: Callable[[str], Non
         return newest_verified(ckpt_dir, warn)
     path = ckpt_dir / checkpoint_name(step)
     if not path.is_dir() or path.is_symlink():
-        raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}")
+        steps = sorted(step_of(p.name) or 0 for p in committed_checkpoints(ckpt_dir))
+        there = f"the steps there: {_listed(steps)}" if steps else "it holds no committed checkpoint"
+        raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; {there}")
     return verify_checkpoint(path)
+
+
+def _listed(steps: list[int], shown: int = 10) -> str:
+    """The steps, the first and last few when there are many (`2, 4, ... (+30 more) ..., 96, 98`)."""
+    if len(steps) <= shown:
+        return ", ".join(map(str, steps))
+    head, tail = steps[: shown // 2], steps[-(shown // 2) :]
+    return f"{', '.join(map(str, head))}, ... ({len(steps) - len(head) - len(tail)} more), {', '.join(map(str, tail))}"
 
 
 def archive(ckpt_dir: Path, folders: list[Path], reason: str) -> Path | None:

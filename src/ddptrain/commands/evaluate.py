@@ -6,8 +6,9 @@ data.dir, data.target's datasets). A run whose model or data were live objects p
 `ddptrain.train()` exits 2 saying which key to add (models.require_model_source, the live data
 source). The samples and the mean are train/evaluation.py's, so `--batches` equal to the run's
 `train.eval_batches` gives its val_loss at any world size. Metrics of your own (the extra scalars of
-a model's output dict, train.metrics) are printed after the perplexity, as `val_<name>` would record
-them: `name value`.
+a model's output dict, train.metrics) are printed after the loss, as `val_<name>` would record
+them: `name value`. The perplexity (exp of the loss) is printed for the language models ddptrain builds (the
+built-in GPT, model.hf), whose loss is a next-token cross-entropy; not for a model.target's loss.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class EvalOptions:
 
 
 def evaluate(options: EvalOptions) -> int:
-    """Mean loss and perplexity of a checkpoint on a split of the data (alone or as every rank under torchrun)."""
+    """Mean loss (and perplexity, for a language model) of a checkpoint on a split of the data (alone or as every
+    rank under torchrun)."""
     run_dir = existing_dir("run folder", Path(options.run_dir))
     if options.step is not None:
         number_in("--step", options.step, 0, 10**15)
@@ -113,10 +115,13 @@ def evaluate_checkpoint(ckpt: VerifiedCheckpoint, split: str, batches: int, over
         if not ctx.is_main or result is None:
             return None
         loss = result.loss
+        # exp(loss) means something for a next-token cross-entropy: the built-in GPT's and model.hf's (a causal
+        # LM), not for whatever loss a model.target returns (a classification, a regression).
+        perplexity = f", perplexity {math.exp(min(loss, 700)):.2f}" if cfg.model.target is None else ""
         metrics = "".join(f", {k} {v:.6f}" for k, v in result.metrics.items())
         return (
             f"{ckpt.path.name} (step {ckpt.step}) on {source} {split}: {n} samples, "
-            f"loss {loss:.6f}, perplexity {math.exp(min(loss, 700)):.2f}{metrics}"
+            f"loss {loss:.6f}{perplexity}{metrics}"
         )
     finally:
         close_distributed(ctx)

@@ -208,7 +208,44 @@ def prepare_corpus(
     if opts.sft is not None:
         check_sft_sources(sources, parse_sft(opts.sft, spec.path))
     recipe = recipe_of(sources, val_fraction, opts, spec)
-    out_dir.mkdir(parents=True, exist_ok=True)  # its errors are the user's path (a file there, no permission)
+    created = _missing_folders(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)  # its errors are the user's path (a file there, no permission)
+        return _prepare_locked(sources, out_dir, val_fraction, opts, spec, recipe, reuse, say)
+    except BaseException:
+        _remove_empty(created)  # a refused or failed prepare leaves no folder it made
+        raise
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders `folder.mkdir(parents=True)` would create, outermost first."""
+    missing: list[Path] = []
+    while not folder.exists() and not folder.is_symlink() and folder.parent != folder:
+        missing.insert(0, folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders, innermost first, while they are empty (another process's files stay)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _prepare_locked(
+    sources: list[Path],
+    out_dir: Path,
+    val_fraction: float,
+    opts: PrepareOptions,
+    spec: TokenizerSpec,
+    recipe: str,
+    reuse: Callable[[Path], bool] | None,
+    say: Callable[[str], None],
+) -> CorpusInfo:
+    """prepare_corpus's work under out_dir's prepare lock (out_dir exists)."""
     try:
         with PrepareLock(out_dir, opts.wait_s, say) as lock:
             if reuse(out_dir) if reuse is not None else (lock.waited and read_recipe(out_dir) == recipe):

@@ -16,9 +16,9 @@ record's first token (samples respect record boundaries: data/sft_dataset.py fin
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from ddptrain.data.sources import Piece, Task, is_jsonl, iter_pieces, jsonl_lines, line_number
+from ddptrain.data import chat_template
+from ddptrain.data.chat_template import TemplateFailed, render_bounded
+from ddptrain.data.sources import (
+    BadJsonLine,
+    Piece,
+    Task,
+    is_jsonl,
+    iter_pieces,
+    json_line,
+    jsonl_lines,
+    line_number,
+    utf8,
+)
 from ddptrain.data.tokenizer import EOS_TOKEN, Tokenizer
 from ddptrain.errors import ConfigError, DataError
 
@@ -123,29 +135,12 @@ def check_sft_sources(files: list[Path], spec: SftSpec) -> None:
 # ---- records to text spans -------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
-def _compiled(template: str) -> Any:
-    """The template compiled once per process, sandboxed as transformers renders chat templates."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise _BadRecord(f"the chat template refused the record: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
-def _render(spec: SftSpec, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    from jinja2 import TemplateError
-
+def _render(spec: SftSpec, messages: list[dict[str, str]], generation_prompt: bool, deadline: float) -> str:
+    variables = {"messages": messages, "add_generation_prompt": generation_prompt, **dict(spec.special)}
     try:
-        text: str = _compiled(spec.template).render(
-            messages=messages, add_generation_prompt=generation_prompt, **dict(spec.special)
-        )
-    except TemplateError as e:
-        raise _BadRecord(f"the chat template failed on it: {e}") from None
-    return text
+        return render_bounded(spec.template, deadline, variables)
+    except TemplateFailed as e:
+        raise _BadRecord(str(e)) from None
 
 
 def _messages(value: Any, field: str) -> list[dict[str, str]]:
@@ -167,16 +162,17 @@ def chat_spans(messages: list[dict[str, str]], spec: SftSpec) -> list[tuple[str,
     generation prompt is an answer. _BadRecord when the template does not render prefix by prefix."""
     spans: list[tuple[str, bool]] = []
     done = ""
+    deadline = time.monotonic() + chat_template.RENDER_TIME_S
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = _render(spec, messages[:i], True)
-        whole = _render(spec, messages[: i + 1], False)
+        head = _render(spec, messages[:i], True, deadline)
+        whole = _render(spec, messages[: i + 1], False, deadline)
         if not head.startswith(done) or not whole.startswith(head):
             raise _BadRecord("the chat template does not render the conversation prefix by prefix")
         spans += [(head[len(done) :], False), (whole[len(head) :], True)]
         done = whole
-    full = _render(spec, messages, False)
+    full = _render(spec, messages, False, deadline)
     if not full.startswith(done):
         raise _BadRecord("the chat template does not render the conversation prefix by prefix")
     spans.append((full[len(done) :], False))
@@ -186,20 +182,28 @@ def chat_spans(messages: list[dict[str, str]], spec: SftSpec) -> list[tuple[str,
 def record_spans(line: bytes, spec: SftSpec) -> list[tuple[str, bool]]:
     """One JSON Lines record as (text, is_answer) spans; _BadRecord when it is not what spec asks for."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise _BadRecord(f"invalid JSON: {e.msg}") from None
+        record = json_line(line)
+    except BadJsonLine as e:
+        raise _BadRecord(str(e)) from None
     if not isinstance(record, dict):
         raise _BadRecord(f"a record must be a JSON object, not {type(record).__name__}")
     if spec.chat:
-        return chat_spans(_messages(record.get(spec.fields[0]), spec.fields[0]), spec)
-    texts: list[str] = []
-    for name in spec.fields:
-        value = record.get(name)
-        if not isinstance(value, str):
-            raise _BadRecord(f"no string field {name!r} (--sft {','.join(spec.fields)})")
-        texts.append(value)
-    return [(texts[0], False), (texts[1], True)]
+        spans = chat_spans(_messages(record.get(spec.fields[0]), spec.fields[0]), spec)
+    else:
+        texts: list[str] = []
+        for name in spec.fields:
+            value = record.get(name)
+            if not isinstance(value, str):
+                raise _BadRecord(f"no string field {name!r} (--sft {','.join(spec.fields)})")
+            texts.append(value)
+        spans = [(texts[0], False), (texts[1], True)]
+    for text, _ in spans:
+        if not text.isascii():
+            try:
+                utf8(text)
+            except BadJsonLine as e:
+                raise _BadRecord(str(e)) from None
+    return spans
 
 
 def _piece_spans(piece: Piece, spec: SftSpec) -> Iterator[tuple[list[tuple[str, bool]], int]]:

@@ -9,9 +9,11 @@ corpus size, and the tasks (hence the shards) are the same on every run over the
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddptrain.data.tables import is_table, read_table_documents, table_pieces
 from ddptrain.errors import DataError
@@ -100,7 +102,7 @@ def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:
             raise DataError(f"cannot read {piece.path}: {e.strerror}") from None
         return
     for line, offset in jsonl_lines(piece):
-        yield _jsonl_text(line, piece.path, offset, text_field).encode("utf-8")
+        yield _jsonl_text(line, piece.path, offset, text_field)
 
 
 def jsonl_lines(piece: Piece) -> Iterator[tuple[bytes, int]]:
@@ -132,15 +134,45 @@ def line_number(path: Path, offset: int) -> int:
     return newlines + 1
 
 
-def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> str:
+class BadJsonLine(ValueError):
+    """A JSON Lines line that does not parse: what is wrong (`what`) and where in the line (`detail`)."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+        self.what, self.detail = what, detail
+
+
+def json_line(line: bytes) -> Any:
+    """One JSON Lines line parsed; BadJsonLine when it is invalid JSON, holds bytes that are not UTF-8,
+    or nests deeper than the interpreter's recursion limit lets json parse."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: invalid JSON in the line at byte {offset}: {e.msg}") from None
-    text = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --text-field)")
-    return text
+        raise BadJsonLine("invalid JSON", e.msg) from None
+    except UnicodeDecodeError as e:
+        detail = f"byte 0x{line[e.start]:02x} at column {e.start + 1}" if e.start < len(line) else e.reason
+        raise BadJsonLine("bytes that are not UTF-8", detail) from None
+    except RecursionError:
+        raise BadJsonLine("JSON nested too deep", f"over about {sys.getrecursionlimit()} levels") from None
+
+
+def utf8(text: str) -> bytes:
+    """A parsed string as UTF-8; BadJsonLine for a lone surrogate (JSON's "\\ud800", or its bytes), which has none."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadJsonLine("a lone surrogate", f"\\u{ord(text[e.start]):04x} has no UTF-8 form") from None
+
+
+def _jsonl_text(line: bytes, path: Path, offset: int, field: str) -> bytes:
+    try:
+        record = json_line(line)
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"{path}: the line at byte {offset} has no string field {field!r} (set --text-field)")
+        return utf8(text)
+    except BadJsonLine as e:
+        raise DataError(f"{path}: {e.what} in the line at byte {offset}: {e.detail}") from None
 
 
 def iter_pieces(files: list[Path]) -> Iterator[Piece]:

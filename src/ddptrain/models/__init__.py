@@ -48,6 +48,15 @@ def require_model_source(cfg: ModelConfig) -> None:
         )
 
 
+def check_model_config(cfg: ModelConfig) -> None:
+    """What can be refused of the model's config before a run writes anything: model.hf's model_type and the keys
+    of an inline model.hf.config (models/hf.py)."""
+    if cfg.hf is not None:
+        from ddptrain.models.hf import check_hf_config
+
+        check_hf_config(cfg.hf)
+
+
 def build_model(cfg: ModelConfig, data_vocab: int | None = None) -> nn.Module:
     """The built-in GPT, a transformers model (model.hf), or the module returned by the user's factory."""
     require_model_source(cfg)

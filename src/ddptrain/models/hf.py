@@ -13,6 +13,8 @@ model's own `labels` path would shift again and drop one position per window); o
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -92,10 +94,37 @@ def _local_folder(path: str, key: str, needs: str) -> Path:
     return folder
 
 
-def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
-    """The transformers model named by model.hf, wrapped for the trainer."""
+def check_hf_config(cfg: HFModelConfig) -> None:
+    """ConfigError, before a run writes anything, for a model_type transformers does not know (naming the closest
+    few) and for a key of an inline model.hf.config its config class does not define. Checked when a run starts,
+    not when eval or export rebuild a trained model: a key transformers ignored then changes nothing now."""
+    _check_model_types(cfg)
+    if isinstance(cfg.config, dict):
+        from transformers import AutoConfig
+
+        fields = dict(cfg.config)
+        try:
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"model.hf: transformers cannot build this model: {_first_line(e)}") from None
+        _check_config_keys(config, fields)
+
+
+def _check_model_types(cfg: HFModelConfig) -> None:
+    """The model_type of model.hf (inline, or in its folder's config.json) checked against transformers' list."""
     require_hf("model.hf")
     _offline()
+    if cfg.pretrained is not None:
+        _check_model_type(_folder_model_type(Path(cfg.pretrained)), "model.hf.pretrained")
+    elif isinstance(cfg.config, dict):
+        _check_model_type(cfg.config.get("model_type"), "model.hf.config.model_type")
+    elif cfg.config is not None:
+        _check_model_type(_folder_model_type(Path(cfg.config)), "model.hf.config")
+
+
+def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
+    """The transformers model named by model.hf, wrapped for the trainer."""
+    _check_model_types(cfg)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -111,9 +140,63 @@ def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
             folder = _local_folder(cfg.config, "model.hf.config", "config.json")
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
     except (ValueError, TypeError, KeyError, OSError) as e:
-        raise ConfigError(f"model.hf: transformers cannot build this model: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"model.hf: transformers cannot build this model: {_first_line(e)}") from None
     wrapped = HFCausalLM(model, block_size)
     limit = getattr(wrapped.text_config, "max_position_embeddings", None)
     if limit is not None and block_size > limit:
         raise ConfigError(f"model.block_size={block_size} exceeds the model's max_position_embeddings={limit}")
     return wrapped
+
+
+def _first_line(error: Exception, limit: int = 300) -> str:
+    """An error's first line, at most limit characters (transformers' can list every model type it knows)."""
+    text = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _folder_model_type(folder: Path) -> object:
+    """The model_type in a folder's config.json (None when it cannot be read: transformers then says why)."""
+    try:
+        found = json.loads((folder / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found.get("model_type") if isinstance(found, dict) else None
+
+
+def _check_model_type(model_type: object, key: str) -> None:
+    """ConfigError naming the closest few model types transformers knows when model_type is not one of them (its
+    own message lists all of them: a line of 12,000 characters)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING:
+        return
+    known = list(CONFIG_MAPPING.keys())
+    close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "e.g. llama, mistral, qwen2, gpt2, gpt_neox"
+    raise ConfigError(
+        f"{key}: model_type {model_type!r} is not one of the {len(known)} transformers "
+        f"{transformers.__version__} knows; {hint}"
+    )
+
+
+def _check_config_keys(config: Any, fields: dict[str, Any]) -> None:
+    """ConfigError for a key of an inline model.hf.config that the config class does not define, which transformers
+    would store as given and every model ignore (`num_hiden_layers`), naming the closest settings it has.
+
+    A key counts as defined when a default config of the class has it, it is a name the class maps to another
+    (attribute_map, e.g. gpt2's hidden_size), or transformers consumed it (rope_theta into rope_parameters)."""
+    try:
+        defined = set(type(config)().to_dict()) | set(getattr(config, "attribute_map", {}))
+    except (ValueError, TypeError, KeyError, AttributeError):  # no defaults for everything: nothing to compare
+        return
+    stored = config.to_dict()
+    for key in sorted(fields):
+        if key in stored and key not in defined:
+            close = difflib.get_close_matches(key, sorted(defined - {"transformers_version"}), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(
+                f"model.hf.config.{key}: {type(config).__name__} has no such setting (transformers would keep it "
+                f"and the model ignore it); {hint}(a key your model reads that its config class does not define: "
+                "give model.hf.config as a folder with config.json, which is not checked)"
+            )

@@ -65,9 +65,14 @@ class EarlyStop:
 
     def reason(self) -> str:
         """Why the run stopped, for the log line and the end record."""
+        best = (
+            f"best {self.best:.6g} at step {self.best_step}"
+            if self.best is not None
+            else "no evaluation gave a number (all NaN)"
+        )
         return (
             f"early stop: {self.cfg.metric} did not improve by more than {self.cfg.min_delta:g} ({self.cfg.mode}) "
-            f"in {self.since_best} evaluations; best {self.best:.6g} at step {self.best_step}"
+            f"in {self.since_best} evaluations; {best}"
         )
 
     def state_dict(self) -> dict[str, Any]:

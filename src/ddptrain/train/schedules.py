@@ -109,14 +109,24 @@ class PlannedSchedule(LRScheduler):
         """Every group's initial lr times the plan's factor at the current step."""
         return [base * self.plan.factor(self.last_epoch) for base in self.base_lrs]
 
-    def follow(self, plan: Plan) -> None:
-        """Continue with `plan` (the config's) from the current step, if it differs from the source."""
+    def follow(self, plan: Plan) -> str | None:
+        """Continue with `plan` (the config's) from the current step, if it differs from the source. Returns a
+        line to log when every step left then trains at the floor (the LR had reached it: a finished run given
+        a larger train.max_steps), None otherwise."""
         if plan == self.source:
-            return
+            return None
         self.plan, self.source = continued(self.plan, plan, self.last_epoch), plan
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        step, now = self.last_epoch, self.plan
+        if not now.decay_start <= step < now.max_steps or abs(now.start_factor - now.floor) > 1e-12:
+            return None
+        return (
+            f"the learning rate had reached its floor by step {step}: steps {step + 1} to {now.max_steps} train at "
+            f"that floor, lr {self._last_lr[0]:.2e} (train.min_lr_ratio={now.floor:g} of train.lr; "
+            "docs/checkpoints.md); for a decay of their own, start a new run from its weights (model.init_from)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Step, base lrs and both plans (plain types: checkpoints load with weights_only=True)."""

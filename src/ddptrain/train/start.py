@@ -61,11 +61,11 @@ def resume_or_start(
     elif cfg.model.init_from and cfg.model.peft is None:  # model.peft loaded it as the base (run.py)
         loaded = init_weights_from(trainer.model, cfg.model.init_from, cfg.model)
         log.info("initialised the model from %s (weights only: fresh optimizer, step 0)", loaded)
-    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    n_params = parameter_count(sum(p.numel() for p in trainer.model.parameters()))
     log.info(
         f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
         f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
-        f"{trainer.accum}, {n_params:.2f}M parameters, run dir {cfg.run_dir}"
+        f"{trainer.accum}, {n_params} parameters, run dir {cfg.run_dir}"
     )
     warn_if_all_warm_up(cfg, trainer.step)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -80,6 +80,14 @@ def resume_or_start(
         restart_count=restarts,
         host=ctx.hostname,
     )
+
+
+def parameter_count(n: int) -> str:
+    """A parameter count as the start line says it: millions with two decimals (`0.84M`), billions from 1e9
+    (`7.24B`), the exact count below 10,000 (`161`), where millions would read `0.00M`."""
+    if n < 10_000:
+        return f"{n:,}"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def warn_if_all_warm_up(cfg: Config, step: int) -> None:

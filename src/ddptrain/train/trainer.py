@@ -275,7 +275,9 @@ class Trainer:
         """
         cfg = self.cfg
         if isinstance(self.scheduler, PlannedSchedule):
-            self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
+            at_floor = self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
+            if at_floor is not None:
+                log.warning(at_floor)
         window_loss = torch.zeros((), device=self.ctx.device)
         window_steps, window_time = 0, 0.0
         if self.early_stop is not None and self.early_stop.stopped:  # resumed from the checkpoint it stopped at
