@@ -290,7 +290,7 @@ def _prepare_into(
         "val_tokens": counts["val"],
         "shards": _with_masks(shards, mask_shards),
         "recipe": recipe,
-        **({"sft": sft.described()} if sft is not None else {}),
+        **({"sft": sft.recorded()} if sft is not None else {}),
     }
     _write_meta(folder, meta)
     return CorpusInfo(
