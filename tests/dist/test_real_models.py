@@ -125,6 +125,8 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(bpe_corpu
     assert "resuming from" in r.stdout
     assert_same_params(ref, killed)
     logits_equal_after_hf_export(ref, tmp_path / "export")
+    sampled = run_ddptrain(["generate", str(ref), "--prompt", "def f(x):", "--max-new-tokens", "8"])
+    assert sampled.returncode == 0 and sampled.stdout.startswith("def f(x):"), sampled.stderr[-2000:]
 
     from ddptrain.config import HFModelConfig
     from ddptrain.models.hf import build_hf_model
