@@ -189,7 +189,9 @@ def test_lora_checkpoints_resume_bit_exact_and_export_merged_and_as_adapters(
 
 
 @pytest.mark.timeout(120)
-def test_generate_samples_from_a_lora_run_as_its_adapted_model(ddp_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_samples_from_a_lora_run_as_its_adapted_model(
+    ddp_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from ddptrain.checkpoint import verify_checkpoint
     from ddptrain.cli import main
     from ddptrain.commands.evaluate import model_of
