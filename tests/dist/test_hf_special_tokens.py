@@ -119,7 +119,8 @@ def chat_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = HFTokenizer.from_file(str(byte_tokenizer_json(folder / "tokenizer.json")))
     hf.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     hf.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))  # <unk> is no token: left out of the export
     source = tmp / "chat.jsonl"
     source.write_text("".join(json.dumps({"messages": CHAT, "id": i}) + "\n" for i in range(60)))
     options = PrepareOptions(tokenizer=str(folder), sft="messages", workers=1)
@@ -134,9 +135,10 @@ def test_chat_data_export_carries_its_template_and_end_of_turn(chat_corpus: Path
 
     cfg = ModelConfig(hf={"config": {**LLAMA, "vocab_size": 259}}, block_size=32)
     summary = export_hf(build_model(cfg), cfg, chat_corpus, tmp_path / "hf")
-    assert "eos/bos/pad '<|im_end|>' (id 257), the chat template (tokenizer)" in summary
-    assert special_ids(tmp_path / "hf") == [(257, 257, 257)] * 2  # generation stops at the end of the turn
+    assert "eos/pad '<|im_end|>' (id 257), bos '<|im_start|>' (id 256), the chat template (tokenizer)" in summary
+    assert special_ids(tmp_path / "hf") == [(257, 256, 257)] * 2  # generation stops at the end of the turn
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert (tokenizer.bos_token_id, tokenizer.unk_token, len(tokenizer)) == (256, None, 259)
     rendered = tokenizer.apply_chat_template(CHAT, tokenize=False)
     assert rendered == f"<|im_start|>user\n{'What is 2+2? ' * 3}<|im_end|>\n<|im_start|>assistant\n4, sure.<|im_end|>\n"
     prompt = tokenizer.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True)

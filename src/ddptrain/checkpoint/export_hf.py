@@ -45,10 +45,17 @@ class SpecialTokens:
     `<|endoftext|>` or last special token in a tokenizer.json) after every document, so it ends one document
     and begins the next (eos and bos, as in GPT-2), and it pads (transformers' usual choice for GPT-2). Raw
     bytes have no separator: eos, bos and pad stay unset, so generation stops only at max_new_tokens.
+    Chat data names its own (`named`: the template's bos/eos/pad/unk that are tokens of the vocabulary): its
+    eos is then text and id, and its bos and pad replace the separator there.
     """
 
     text: str | None = None
     id: int | None = None
+    named: tuple[tuple[str, str, int], ...] = ()  # chat data's (key, token, id): bos_token, eos_token, ...
+
+    def id_of(self, key: str) -> int | None:
+        """The id of the token chat data names for key ('bos_token', 'pad_token'), else the eos/separator's."""
+        return next((i for k, _, i in self.named if k == key), self.id)
 
 
 def gpt2_config(cfg: ModelConfig, eos_id: int | None) -> Any:
@@ -118,11 +125,15 @@ def special_tokens(data_dir: Path | None) -> SpecialTokens:
     from tokenizers import Tokenizer as HFTokenizer
 
     vocab = HFTokenizer.from_file(str(data_dir / meta["tokenizer"]["file"]))
-    turn_end = _chat_tokens(meta).get("eos_token")
-    if turn_end is not None and vocab.token_to_id(turn_end) is not None:
-        return SpecialTokens(turn_end, vocab.token_to_id(turn_end))
+    # Only tokens of the vocabulary: transformers would append any other as a new id the model has no row for.
+    named = tuple(
+        (key, text, int(i)) for key, text in _chat_tokens(meta).items() if (i := vocab.token_to_id(text)) is not None
+    )
+    turn_end = next(((text, i) for key, text, i in named if key == "eos_token"), None)
+    if turn_end is not None:
+        return SpecialTokens(*turn_end, named)
     text = vocab.id_to_token(eos_id)
-    return SpecialTokens(text, eos_id) if text is not None else SpecialTokens()
+    return SpecialTokens(text, eos_id, named) if text is not None else SpecialTokens()
 
 
 def _chat_tokens(meta: dict[str, Any]) -> dict[str, str]:
@@ -158,24 +169,35 @@ def write_tokenizer(data_dir: Path, out: Path, special: SpecialTokens | None = N
         source = byte_tokenizer_json(out / TOKENIZER_FILE)
     tok = special.text
     named: dict[str, str | None] = {"eos_token": tok, "bos_token": tok, "pad_token": tok}
-    vocab = PreTrainedTokenizerFast(tokenizer_file=str(source)).get_vocab()
-    # Only tokens of the vocabulary: transformers would append any other as a new id the model has no row for.
-    named |= {key: text for key, text in _chat_tokens(meta).items() if text in vocab}
+    named |= {key: text for key, text, _ in special.named}
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), **named)
     template, about_template = _chat_template(meta)
     if template is not None:
         tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
-    said = f"eos/bos/pad {tok!r} (id {special.id})" if tok is not None else "no special tokens"
+    said = _described(special)
     return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']}, {said}{about_template})"
 
 
+def _described(special: SpecialTokens) -> str:
+    """ "eos/bos/pad '<|endoftext|>' (id 0)", or each distinct token with its roles; "no special tokens"."""
+    if special.text is None:
+        return "no special tokens"
+    roles: dict[tuple[str, int | None], list[str]] = {}
+    for role in ("eos", "bos", "pad"):
+        text = next((t for k, t, _ in special.named if k == f"{role}_token"), special.text)
+        roles.setdefault((text, special.id_of(f"{role}_token")), []).append(role)
+    return ", ".join(f"{'/'.join(names)} {text!r} (id {i})" for (text, i), names in roles.items())
+
+
 def _set_special_ids(hf_model: Any, special: SpecialTokens) -> None:
-    """The data's separator as eos/bos/pad in a transformers model's config and generation config."""
+    """The data's separator (or chat data's own tokens) as eos/bos/pad in a transformers model's config and
+    generation config."""
     if special.id is None:
         return  # bytes: nothing to set, and a model.hf config keeps its own
     for config in (hf_model.config, hf_model.generation_config):
-        config.eos_token_id = config.bos_token_id = config.pad_token_id = special.id
+        config.eos_token_id = special.id
+        config.bos_token_id, config.pad_token_id = special.id_of("bos_token"), special.id_of("pad_token")
 
 
 def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, out: Path) -> str:
