@@ -1,7 +1,7 @@
 """Training from Python with live objects: no config file, no import paths.
 
     python examples/python_api/train_waves.py                              # one process
-    torchrun --nproc-per-node 2 examples/python_api/train_waves.py         # two ranks
+    ddptrain launch --nproc-per-node 2 -- examples/python_api/train_waves.py   # two ranks (or torchrun ...)
 
 Every rank runs this whole script; ddptrain.train joins the torchrun job, shards the data,
 wraps the model in DDP and returns the same result on every rank.
@@ -37,7 +37,7 @@ def waves(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, (torch.sin(3 * x[:, :1]) + x[:, 1:] ** 2))
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str) -> int:
     config = {
         "run": {"name": "waves", "dir": run_dir},
         "data": {"micro_batch_size": 16},
@@ -52,7 +52,8 @@ def main(run_dir: str) -> None:
             f"finished: step {result.step}, loss {result.loss:.4f}, val_loss {result.val_loss:.4f}, "
             f"run dir {result.run_dir}"
         )
+    return result.exit_code  # 0, or preempted's / interrupted's: what `ddptrain launch` acts on
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/waves")
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/waves"))

@@ -28,6 +28,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -50,6 +51,7 @@ from ddptrain.commands.triage import triage
 from ddptrain.commands.verify_resume import verify_resume
 from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DdptrainError, LaunchError
 from ddptrain.launch.options import LaunchOptions, node_counts, nproc_per_node
+from ddptrain.launch.worker_start import is_script
 from ddptrain.train.preemption import decided_stop, leaves_without_teardown, settle_for_exit
 
 
@@ -86,6 +88,10 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
     """Parse the worker command as a worker will; for `train`, load its config and check the batch split."""
     if not command:
         return  # the launcher says what is missing
+    if is_script(command[0]):
+        if not Path(command[0]).is_file():
+            raise LaunchError(f"worker command: no Python script {command[0]!r} (a script runs as torchrun runs one)")
+        return  # the script's own arguments are its own business
     worker = _parser(WorkerCommandParser).parse_args(list(command))
     if worker.command == "launch":
         raise LaunchError("the worker command cannot be launch itself; give the command each worker runs, e.g. train")
@@ -112,7 +118,7 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command(doctor, "bring-up checks: environment, rendezvous, all-reduce bandwidth"),
     "triage": Command(triage, "one verdict from the stacks a hang left in RUN_DIR/stacks"),
     "verify-resume": Command(verify_resume, "replay steps from a checkpoint and compare with what the run logged"),
-    "generate": Command(generate, "sample text from the built-in GPT of a run's newest good checkpoint"),
+    "generate": Command(generate, "sample text from a run's newest good checkpoint (built-in GPT, model.hf, LoRA)"),
     "slurm": Command(slurm, "write (and --submit) an sbatch script for a config"),
     "k8s": Command(k8s, "write a Kubeflow PyTorchJob manifest for a config"),
     "lighthouse": Command(lighthouse, "serve torchft's Lighthouse, the quorum service of in-place recovery"),

@@ -59,6 +59,8 @@ from ddptrain.data.kinds import data_source
 from ddptrain.data.source import DataSource, LiveData, Sampling
 from ddptrain.dist import DistContext, close_distributed, init_distributed, read_torchrun_env
 from ddptrain.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
     CheckpointSaveError,
     Interrupted,
     LeaseLost,
@@ -107,6 +109,12 @@ class RunResult:
     loss: float | None  # mean training loss of the last logged window
     val_loss: float | None  # last evaluation, None when there was none
     run_dir: Path
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code `ddptrain train` ends with for this result: 0, or preempted's / interrupted's (a script
+        under `ddptrain launch` passes it to sys.exit, so the launcher tells a preemption from a completed run)."""
+        return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(self.status, 0)
 
 
 @dataclass

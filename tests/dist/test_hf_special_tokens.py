@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -96,3 +97,61 @@ def test_byte_export_has_no_special_tokens(corpus_dir: Path, tmp_path: Path) -> 
     assert special_ids(tmp_path / "bytes") == [(None, None, None)] * 2
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "bytes"), local_files_only=True)
     assert tokenizer.eos_token is None and tokenizer.pad_token is None
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT = [{"role": "user", "content": "What is 2+2? " * 3}, {"role": "assistant", "content": "4, sure."}]
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Chat records prepared with a tokenizer folder's ChatML template (its eos: <|im_end|>)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ddptrain.data.tokenizer import byte_tokenizer_json
+
+    tmp = tmp_path_factory.mktemp("chat")
+    folder = tmp / "tok"
+    folder.mkdir()
+    hf = HFTokenizer.from_file(str(byte_tokenizer_json(folder / "tokenizer.json")))
+    hf.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    hf.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))  # <unk> is no token: left out of the export
+    source = tmp / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": CHAT, "id": i}) + "\n" for i in range(60)))
+    options = PrepareOptions(tokenizer=str(folder), sft="messages", workers=1)
+    return prepare_corpus([source], tmp / "corpus", 0.2, options).out_dir
+
+
+@pytest.mark.timeout(120)
+def test_chat_data_export_carries_its_template_and_end_of_turn(chat_corpus: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from ddptrain.checkpoint.export_hf import write_tokenizer
+
+    cfg = ModelConfig(hf={"config": {**LLAMA, "vocab_size": 259}}, block_size=32)
+    summary = export_hf(build_model(cfg), cfg, chat_corpus, tmp_path / "hf")
+    assert "eos/pad '<|im_end|>' (id 257), bos '<|im_start|>' (id 256), the chat template (tokenizer)" in summary
+    assert special_ids(tmp_path / "hf") == [(257, 256, 257)] * 2  # generation stops at the end of the turn
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert (tokenizer.bos_token_id, tokenizer.unk_token, len(tokenizer)) == (256, None, 259)
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert rendered == f"<|im_start|>user\n{'What is 2+2? ' * 3}<|im_end|>\n<|im_start|>assistant\n4, sure.<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n") and tokenizer.eos_token == "<|im_end|>"
+
+    # --format peft writes the same tokenizer beside the adapters; a corpus prepared before meta.json kept the
+    # template says so instead of exporting a tokenizer that silently has none.
+    (tmp_path / "peft").mkdir()
+    assert "the chat template (tokenizer)" in write_tokenizer(chat_corpus, tmp_path / "peft")
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "peft")).apply_chat_template(CHAT, tokenize=False) == rendered
+    meta = json.loads((chat_corpus / "meta.json").read_text())
+    del meta["sft"]["chat_template"]
+    older = Path(shutil.copytree(chat_corpus, tmp_path / "older"))
+    (older / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "old").mkdir()
+    assert "no chat template: the corpus was prepared before" in write_tokenizer(older, tmp_path / "old")

@@ -188,6 +188,24 @@ def test_lora_checkpoints_resume_bit_exact_and_export_merged_and_as_adapters(
     assert folder_bytes(killed) == before
 
 
+@pytest.mark.timeout(120)
+def test_generate_samples_from_a_lora_run_as_its_adapted_model(
+    ddp_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddptrain.checkpoint import verify_checkpoint
+    from ddptrain.cli import main
+    from ddptrain.commands.evaluate import model_of
+
+    assert main(["generate", str(ddp_run), "--prompt", "def f(", "--max-new-tokens", "6", "--top-k", "1"]) == 0
+    text = capsys.readouterr().out.removesuffix("\n")
+    _, adapted = model_of(verify_checkpoint(checkpoints(ddp_run)[-1]))  # the adapters unmerged: another path
+    ids = torch.tensor([list(b"def f(")])
+    with torch.no_grad():
+        for _ in range(6):  # greedy: top-k 1 samples the likeliest token
+            ids = torch.cat([ids, adapted.logits(ids)[:, -1:].argmax(-1)], dim=1)
+    assert text == bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+
+
 @pytest.mark.timeout(240)
 def test_lora_under_fsdp_trains_as_under_ddp(corpus_dir: Path, base: Path, ddp_run: Path, tmp_path: Path) -> None:
     fsdp = tmp_path / "fsdp"

@@ -19,9 +19,14 @@ def torchrun(script: Path, *args: str, timeout: float = 180) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_subprocess())
 
 
-def test_python_api_example_trains_under_torchrun(tmp_path: Path) -> None:
+def test_python_api_example_trains_under_launch(tmp_path: Path) -> None:
+    """`ddptrain launch -- script.py ARGS` runs a Python script on every worker, as torchrun does."""
     run_dir = tmp_path / "waves"
-    done = torchrun(REPO / "examples" / "python_api" / "train_waves.py", str(run_dir))
+    script = REPO / "examples" / "python_api" / "train_waves.py"
+    launch = [sys.executable, "-m", "ddptrain", "launch", "--nproc-per-node", "2", "--max-restarts", "0", "--"]
+    done = subprocess.run(
+        [*launch, str(script), str(run_dir)], capture_output=True, text=True, timeout=180, env=env_for_subprocess()
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("finished:"))
     assert line.startswith("finished: step 60, loss ")

@@ -88,7 +88,9 @@ def logits_equal_after_hf_export(run_dir: Path, out: Path) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(bpe_corpus: Path, tmp_path: Path) -> None:
+def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(
+    bpe_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     steps = 10
     ref = tmp_path / "ref"
     r = run_ddptrain(["train", *llama(bpe_corpus, ref, steps), "log.peak_tflops=1"], nproc=2, timeout=240)
@@ -125,6 +127,11 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(bpe_corpu
     assert "resuming from" in r.stdout
     assert_same_params(ref, killed)
     logits_equal_after_hf_export(ref, tmp_path / "export")
+    from ddptrain.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(ref), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0  # a model.hf run
+    assert capsys.readouterr().out.startswith("def f(x):")
 
     from ddptrain.config import HFModelConfig
     from ddptrain.models.hf import build_hf_model

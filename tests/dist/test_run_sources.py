@@ -79,7 +79,7 @@ def test_live_objects_are_recorded_and_every_command_names_what_to_pass(
         ["export", str(run), "--format", "hf", "--out", str(tmp_path / "x")], capsys
     )
     assert not (tmp_path / "x").exists()
-    assert "generate works with the built-in GPT only" in refused(["generate", str(run)], capsys)
+    assert "generate samples from the built-in GPT and model.hf models" in refused(["generate", str(run)], capsys)
     weights = tmp_path / "weights.safetensors"
     assert main(["export", str(run), "--out", str(weights)]) == 0 and weights.is_file()  # the weights need nothing
     assert "ddptrain train: error: model.live=" in refused(["train", "-c", str(run / "config.yaml")], capsys)

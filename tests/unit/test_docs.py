@@ -294,7 +294,10 @@ RULES: list[tuple[str, Check | str]] = [
     (r"^ddptrain prepare 'notes/", check_prepare),
     (r"^PYTHONPATH=examples/regression ", "trains the example model: tests/dist/test_cli_end_to_end.py runs it"),
     (r"^torchrun --nproc-per-node 2 -m ddptrain train", _SKIP_DIST),
-    (r"^torchrun --nproc-per-node 2 examples/python_api/", "two processes: tests/dist/test_python_api.py runs it"),
+    (
+        r"^ddptrain launch --nproc-per-node 2 -- examples/python_api/",
+        "two processes: tests/dist/test_python_api.py launches it",
+    ),
     (r"^torchrun --standalone --nproc-per-node \d+ -m (ddptrain doctor|bench)", _SKIP_DIST),
     (r"^torchrun --nnodes 2 ", "needs two machines: tests/cluster/test_multinode_faults.py runs it on namespace hosts"),
     (r"^ddptrain launch --nnodes 2 ", check_launch_dry_run),

@@ -105,6 +105,24 @@ def test_scheduler_variables_that_contradict_the_command_are_named() -> None:
     assert "PET_RDZV_ENDPOINT=job-worker-0:29400" in line and "--rdzv-endpoint job-master-0:29400" in line
 
 
+def test_a_python_script_runs_as_torchrun_runs_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    script = tmp_path / "train_api.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    words = shlex.split(dry_run(capsys, "--nproc-per-node", "2", "--", str(script), "runs/api", "--fast"))
+    args = get_args_parser().parse_args(words[words.index("torchrun") + 1 :])
+    assert (args.module, args.training_script, args.training_script_args) == (
+        False,
+        str(script),
+        ["runs/api", "--fast"],
+    )
+    assert main(["launch", "--", str(tmp_path / "missing.py")]) == 2
+    assert "worker command: no Python script" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -191,3 +191,32 @@ def test_the_report_draws_each_sources_share_of_every_log_window(tmp_path: Path)
     summary, files = report(tmp_path)
     assert "data mixture: a 15 (62.5%), b 9 (37.5%) by step 6" in summary
     assert tmp_path / "report" / "mixture.png" in files
+
+
+def test_a_mixture_records_each_sources_val_loss_as_eval_gives_it_alone(
+    corpus_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """val_loss reads the sources' validation sets one after another (with few eval batches: the first source's
+    only); val_loss/<name> is each source's own, what `ddptrain eval` gives on that source alone."""
+    import re
+
+    from helpers import read_metrics
+    from toys import TINY
+
+    from ddptrain.cli import main
+
+    other = prepare_corpus([Path(argparse.__file__)], tmp_path / "other", 0.1).out_dir
+    run = tmp_path / "run"
+    sources = f"data.sources=[{{name: mine, weight: 1, dir: {corpus_dir}}}, {{name: other, weight: 3, dir: {other}}}]"
+    argv = [*TINY, sources, f"run.dir={run}", "train.max_steps=3", "train.eval_every=3", "train.eval_batches=2"]
+    assert main(["train", *argv]) == 0
+    (record,) = read_metrics(run, "eval")
+    assert set(record) >= {"val_loss", "val_loss/mine", "val_loss/other"}
+    assert record["val_loss/mine"] != record["val_loss/other"]
+    capsys.readouterr()
+    for name, folder in (("mine", corpus_dir), ("other", other)):
+        assert main(["eval", str(run), "data.sources=[]", f"data.dir={folder}", "--batches", "2"]) == 0
+        alone = float(re.findall(r"loss (\d+\.\d+)", capsys.readouterr().out)[0])
+        assert alone == pytest.approx(record[f"val_loss/{name}"], abs=2e-6)
+    summary, files = report(run)
+    assert run / "report" / "loss.png" in files and "loss/mine" not in summary  # not taken for a metric of one's own

@@ -54,7 +54,13 @@ def test_shards_are_one_sequence_whatever_the_cut(
 
 
 def test_samples_do_not_depend_on_the_shard_size(tmp_path: Path) -> None:
-    a = prepare_corpus(FILES, tmp_path / "a", 0.1, PrepareOptions(task_bytes=1 << 14)).out_dir
+    said: list[str] = []  # a line per task (each file is one) at progress_every_s=0: a long prepare is never silent
+    a = prepare_corpus(
+        FILES, tmp_path / "a", 0.1, PrepareOptions(task_bytes=1 << 14, progress_every_s=0), say=said.append
+    ).out_dir
+    total = sum(p.stat().st_size for p in FILES) / 1e6
+    assert len(said) == len(FILES) and all(line.startswith("prepare: tokenized ") and "\n" not in line for line in said)
+    assert said[-1].startswith(f"prepare: tokenized {total:.1f} of {total:.1f} MB of input (100%), ")
     b = prepare_corpus(FILES, tmp_path / "b", 0.1, PrepareOptions(task_bytes=1 << 14, shard_tokens=5000)).out_dir
     assert len(read_meta(b)["shards"]["train"]) > 5
     for (ta, va), (tb, vb) in [(load_token_datasets(a, 64), load_token_datasets(b, 64))]:
@@ -94,7 +100,10 @@ def test_legacy_single_file_corpus_still_loads(tmp_path: Path) -> None:
 
 def test_trained_bpe_round_trips_and_separates_documents(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
-    info = prepare_corpus(FILES, tmp_path, 0.1, PrepareOptions(tokenizer="train:2048", workers=2, task_bytes=1 << 15))
+    said: list[str] = []
+    options = PrepareOptions(tokenizer="train:2048", workers=2, task_bytes=1 << 15, progress_every_s=0.01)
+    info = prepare_corpus(FILES, tmp_path, 0.1, options, say=said.append)
+    assert any(line.startswith("prepare: training a BPE of 2048 tokens: ") for line in said), said[:3]
     meta = read_meta(tmp_path)
     tok = load_tokenizer_file(tmp_path / "tokenizer.json")
     assert (meta["vocab_size"], meta["dtype"], meta["eos_id"]) == (2048, "uint16", tok.eos_id)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics
+from helpers import one_line_exit_2, read_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -285,6 +285,32 @@ def test_mlflow_without_a_uri_records_into_the_run_folder_never_the_working_dire
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 7))
     assert run.info.artifact_uri.startswith((run_dir / "mlartifacts").as_uri())
     assert any((run_dir / "mlartifacts").rglob("*.png"))
+
+
+def test_an_mlflow_file_store_is_refused_at_start_naming_sqlite(
+    tiny_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow 3 refuses its file store: the run would record nothing and wait for the tracker at its end."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        if int(version("mlflow").split(".")[0]) < 3:
+            pytest.skip("MLflow 2 records to a file store")
+    except PackageNotFoundError:
+        pytest.skip("the mlflow extra is not installed (pip install 'ddptrain[mlflow]')")
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    run_dir = tmp_path / "run"  # tiny_args' run.dir
+    store = (tmp_path / "mlruns").as_uri()
+    line = one_line_exit_2(["train", *tiny_args, "log.trackers=[mlflow]", f"log.mlflow.tracking_uri={store}"], capsys)
+    assert f"log.mlflow.tracking_uri='{store}' is a file store" in line and "sqlite:///" in line
+    assert not (tmp_path / "mlruns").exists() and not (run_dir / "config.yaml").exists()  # refused at start
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "./mlruns")  # a plain path is a file store too
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI='./mlruns' is a file store"):
+        require_packages(load_config(None, ["log.trackers=[mlflow]"]).log)
+    require_packages(load_config(None, ["log.trackers=[mlflow]", "log.mlflow.tracking_uri=sqlite:///m.db"]).log)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own opt-in: then it records there
+    require_packages(load_config(None, ["log.trackers=[mlflow]"]).log)
 
 
 def test_the_csv_tracker_never_writes_through_a_link_planted_in_the_run_folder(tmp_path: Path) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +71,24 @@ def test_help_still_shows_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:
         main(["launch", "--help"])
     assert stop.value.code == 0 and capsys.readouterr().out.startswith("usage: ddptrain launch")
+
+
+def test_a_factory_of_ones_own_is_found_in_the_current_folder_or_named_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `ddptrain` console script puts no folder on sys.path: a Python-API run's factories (model.target,
+    data.target recorded from a script) are looked up in the current folder too, after everything installed;
+    not found there either, the one line says how to make them importable."""
+    from ddptrain.errors import ConfigError
+    from ddptrain.targets import import_target
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "api_factories_i38.py").write_text("def build(width=3):\n    return width * 2\n")
+    assert import_target("api_factories_i38:build", "model.target")(width=4) == 8
+    with pytest.raises(ConfigError) as refused:
+        import_target("no_such_factories_i38:build", "data.target")
+    line = str(refused.value)
+    assert "cannot import 'no_such_factories_i38'" in line and "\n" not in line
+    assert "run from the folder holding no_such_factories_i38.py" in line and "PYTHONPATH" in line
+    sys.modules.pop("api_factories_i38", None)

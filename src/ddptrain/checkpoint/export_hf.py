@@ -7,6 +7,9 @@ bridged: GPT-2's Conv1D layers store weights as (in, out), the transpose of nn.L
 always has biases, so a bias-free GPT exports zero biases (the same function). The data's
 tokenizer goes into the folder too, and its document separator becomes eos, bos and pad in
 config.json, generation_config.json and the tokenizer files (SpecialTokens), so `generate` stops.
+Chat data (`prepare --sft MESSAGES`) brings its chat template and the special tokens it rendered
+with (meta.json records both): the tokenizer files carry them, so `apply_chat_template` on the
+export renders what training saw, and the template's eos (its end of turn) is the export's eos.
 """
 
 from __future__ import annotations
@@ -42,10 +45,17 @@ class SpecialTokens:
     `<|endoftext|>` or last special token in a tokenizer.json) after every document, so it ends one document
     and begins the next (eos and bos, as in GPT-2), and it pads (transformers' usual choice for GPT-2). Raw
     bytes have no separator: eos, bos and pad stay unset, so generation stops only at max_new_tokens.
+    Chat data names its own (`named`: the template's bos/eos/pad/unk that are tokens of the vocabulary): its
+    eos is then text and id, and its bos and pad replace the separator there.
     """
 
     text: str | None = None
     id: int | None = None
+    named: tuple[tuple[str, str, int], ...] = ()  # chat data's (key, token, id): bos_token, eos_token, ...
+
+    def id_of(self, key: str) -> int | None:
+        """The id of the token chat data names for key ('bos_token', 'pad_token'), else the eos/separator's."""
+        return next((i for k, _, i in self.named if k == key), self.id)
 
 
 def gpt2_config(cfg: ModelConfig, eos_id: int | None) -> Any:
@@ -103,7 +113,9 @@ def gpt2_to_gpt(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 
 
 def special_tokens(data_dir: Path | None) -> SpecialTokens:
-    """The separator of data_dir's corpus (SpecialTokens' docstring); empty for bytes, no corpus or no data_dir."""
+    """The export's eos of data_dir's corpus: the chat template's eos token when chat data names one that is a
+    token of the vocabulary, else the separator (SpecialTokens' docstring); empty for bytes, no corpus or no
+    data_dir."""
     if data_dir is None or not (data_dir / "meta.json").is_file():
         return SpecialTokens()
     meta = read_meta(data_dir)
@@ -112,16 +124,43 @@ def special_tokens(data_dir: Path | None) -> SpecialTokens:
         return SpecialTokens()
     from tokenizers import Tokenizer as HFTokenizer
 
-    text = HFTokenizer.from_file(str(data_dir / meta["tokenizer"]["file"])).id_to_token(eos_id)
-    return SpecialTokens(text, eos_id) if text is not None else SpecialTokens()
+    vocab = HFTokenizer.from_file(str(data_dir / meta["tokenizer"]["file"]))
+    # Only tokens of the vocabulary: transformers would append any other as a new id the model has no row for.
+    named = tuple(
+        (key, text, int(i)) for key, text in _chat_tokens(meta).items() if (i := vocab.token_to_id(text)) is not None
+    )
+    turn_end = next(((text, i) for key, text, i in named if key == "eos_token"), None)
+    if turn_end is not None:
+        return SpecialTokens(*turn_end, named)
+    text = vocab.id_to_token(eos_id)
+    return SpecialTokens(text, eos_id, named) if text is not None else SpecialTokens()
 
 
-def _data_tokenizer(data_dir: Path, out: Path, special: SpecialTokens) -> str:
-    """Write the data's tokenizer into out as transformers files; a line saying what was written."""
+def _chat_tokens(meta: dict[str, Any]) -> dict[str, str]:
+    """The special tokens chat data's template rendered with (bos_token, eos_token, ...; empty ones left out)."""
+    named = (meta.get("sft") or {}).get("special_tokens") or {}
+    return {key: text for key, text in named.items() if text}
+
+
+def _chat_template(meta: dict[str, Any]) -> tuple[str | None, str]:
+    """Chat data's template (None for other data, and for chat data prepared before meta.json kept it) and the
+    words naming it in the export's summary."""
+    sft = meta.get("sft") or {}
+    if sft.get("template") is None:
+        return None, ""
+    if sft.get("chat_template") is None:
+        return None, ", no chat template: the corpus was prepared before exports carried it (prepare it again)"
+    return str(sft["chat_template"]), f", the chat template ({sft['template']})"
+
+
+def write_tokenizer(data_dir: Path, out: Path, special: SpecialTokens | None = None) -> str:
+    """Write data_dir's tokenizer into out as transformers files, with the special tokens (default:
+    special_tokens(data_dir)) and chat data's template and special tokens; a line saying what was written."""
     from transformers import PreTrainedTokenizerFast
 
     try:
         meta = read_meta(data_dir)
+        special = special_tokens(data_dir) if special is None else special
     except DataError as e:
         return f"no tokenizer written ({e})"
     if meta["tokenizer"]["file"]:
@@ -129,18 +168,36 @@ def _data_tokenizer(data_dir: Path, out: Path, special: SpecialTokens) -> str:
     else:
         source = byte_tokenizer_json(out / TOKENIZER_FILE)
     tok = special.text
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token=tok, bos_token=tok, pad_token=tok)
+    named: dict[str, str | None] = {"eos_token": tok, "bos_token": tok, "pad_token": tok}
+    named |= {key: text for key, text, _ in special.named}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), **named)
+    template, about_template = _chat_template(meta)
+    if template is not None:
+        tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
-    named = f"eos/bos/pad {tok!r} (id {special.id})" if tok is not None else "no special tokens"
-    return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']}, {named})"
+    said = _described(special)
+    return f"tokenizer of {data_dir} ({meta['tokenizer']['kind']}, {said}{about_template})"
+
+
+def _described(special: SpecialTokens) -> str:
+    """ "eos/bos/pad '<|endoftext|>' (id 0)", or each distinct token with its roles; "no special tokens"."""
+    if special.text is None:
+        return "no special tokens"
+    roles: dict[tuple[str, int | None], list[str]] = {}
+    for role in ("eos", "bos", "pad"):
+        text = next((t for k, t, _ in special.named if k == f"{role}_token"), special.text)
+        roles.setdefault((text, special.id_of(f"{role}_token")), []).append(role)
+    return ", ".join(f"{'/'.join(names)} {text!r} (id {i})" for (text, i), names in roles.items())
 
 
 def _set_special_ids(hf_model: Any, special: SpecialTokens) -> None:
-    """The data's separator as eos/bos/pad in a transformers model's config and generation config."""
+    """The data's separator (or chat data's own tokens) as eos/bos/pad in a transformers model's config and
+    generation config."""
     if special.id is None:
         return  # bytes: nothing to set, and a model.hf config keeps its own
     for config in (hf_model.config, hf_model.generation_config):
-        config.eos_token_id = config.bos_token_id = config.pad_token_id = special.id
+        config.eos_token_id = special.id
+        config.bos_token_id, config.pad_token_id = special.id_of("bos_token"), special.id_of("pad_token")
 
 
 def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, out: Path) -> str:
@@ -171,5 +228,5 @@ def export_hf(model: nn.Module, model_cfg: ModelConfig, data_dir: Path | None, o
         raise ConfigError(f"--format hf exports the built-in GPT and model.hf models, not {type(model).__name__}")
     _set_special_ids(hf_model, special)
     hf_model.save_pretrained(str(out))
-    tok = _data_tokenizer(data_dir, out, special) if data_dir is not None else "no tokenizer (data.target run)"
+    tok = write_tokenizer(data_dir, out, special) if data_dir is not None else "no tokenizer (data.target run)"
     return f"{kind}; {tok}"

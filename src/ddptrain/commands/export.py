@@ -10,7 +10,7 @@ from ddptrain import streams
 from ddptrain.checkpoint.store import select_checkpoint
 from ddptrain.checks import creatable_file, existing_dir, number_in, output_dir
 from ddptrain.cli_options import REQUIRED, option
-from ddptrain.config import saved_config
+from ddptrain.config import Config, saved_config
 from ddptrain.errors import ConfigError
 
 
@@ -29,7 +29,9 @@ class ExportOptions:
         show_default=False,
     )
     data_dir: str | None = option(
-        None, "--format hf: the prepared corpus whose tokenizer to include (default: the run's data.dir)"
+        None,
+        "--format hf or peft: the prepared corpus whose tokenizer (and chat template) to include "
+        "(default: the run's data.dir)",
     )
 
 
@@ -38,8 +40,8 @@ def export(options: ExportOptions) -> int:
     existing_dir("run folder", Path(options.run_dir))
     if options.step is not None:
         number_in("--step", options.step, 0, 10**15)
-    if options.data_dir is not None and options.format != "hf":
-        raise ConfigError("--data-dir gives --format hf its tokenizer; --format safetensors and peft write none")
+    if options.data_dir is not None and options.format == "safetensors":
+        raise ConfigError("--data-dir gives --format hf and peft their tokenizer; --format safetensors writes none")
     if options.format in ("hf", "peft"):
         return _export_folder(options)
     from ddptrain.checkpoint.export import export_model
@@ -73,8 +75,21 @@ def _export_folder(options: ExportOptions) -> int:
     refuse_links_inside(run_dir, out_dir)
     with staged_output(out_dir) as work:  # complete or absent: a failed export leaves nothing behind
         if options.format == "peft":
-            what = save_adapters(model, work)
+            what = f"{save_adapters(model, work)}; {_peft_tokenizer(cfg, options.data_dir, work)}"
         else:
             what = export_hf(merge_adapters(model), cfg.model, tokenizer_dir(cfg, options.data_dir), work)
     print(f"exported {ckpt.path.name} to {options.out}: {what}")
     return 0
+
+
+def _peft_tokenizer(cfg: Config, data_dir: str | None, work: Path) -> str:
+    """The data's tokenizer (with chat data's template) beside the adapters, as `--format hf` writes it; a line
+    saying what was written. Adapters need none, so a run whose tokenizer ddptrain cannot know gets none."""
+    from ddptrain.checkpoint.export_hf import write_tokenizer
+    from ddptrain.commands.evaluate import tokenizer_dir
+
+    try:
+        folder = tokenizer_dir(cfg, data_dir)
+    except ConfigError as e:
+        return f"no tokenizer ({e})"
+    return write_tokenizer(folder, work) if folder is not None else "no tokenizer (data.target run)"

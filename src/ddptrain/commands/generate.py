@@ -1,4 +1,5 @@
-"""`ddptrain generate RUN_DIR --prompt TEXT`: sample from the built-in GPT of a run's newest good checkpoint.
+"""`ddptrain generate RUN_DIR --prompt TEXT`: sample from the model of a run's newest good checkpoint: the
+built-in GPT or a transformers model (model.hf), LoRA adapters (model.peft) merged into either.
 
 The prompt is encoded and the output decoded with the tokenizer of the data the run trained on
 (raw bytes, or the `tokenizer.json` recorded in its meta.json, whose SHA-256 must match the one
@@ -27,7 +28,9 @@ from ddptrain.data.kinds import data_source
 from ddptrain.data.source import BYTES
 from ddptrain.data.tokenizer import Tokenizer
 from ddptrain.errors import CheckpointError, ConfigError
+from ddptrain.models import build_model
 from ddptrain.models.gpt import GPT
+from ddptrain.models.hf import HFCausalLM
 from ddptrain.models.peft import merge_adapters
 from ddptrain.run_folder import checkpoints_dir
 
@@ -46,19 +49,39 @@ def saved_section(ckpt: VerifiedCheckpoint, name: str, kind: type[_Section]) -> 
         ) from None
 
 
-def load_gpt(run_dir: Path, device: torch.device) -> tuple[GPT, VerifiedCheckpoint]:
-    """The built-in GPT of the newest verified checkpoint: (model in eval mode, the checkpoint)."""
+def load_model(run_dir: Path, device: torch.device) -> tuple[GPT | HFCausalLM, VerifiedCheckpoint]:
+    """The model of the newest verified checkpoint, adapters merged: (model in eval mode, the checkpoint).
+    ConfigError for a user's model (model.target, a live module), which has no sampling interface ddptrain knows."""
     ckpt = newest_verified(checkpoints_dir(run_dir), lambda text: print(text, file=sys.stderr))
     model_cfg = saved_section(ckpt, "model", ModelConfig)
-    if model_cfg.target is not None or model_cfg.hf is not None or model_cfg.live is not None:
+    if model_cfg.target is not None or model_cfg.live is not None:
         raise ConfigError(
-            f"{ckpt.path.name} holds a user or transformers model; generate works with the built-in GPT only"
+            f"{ckpt.path.name} holds a user's model (model.target or a live module); generate samples from the "
+            "built-in GPT and model.hf models: export its weights and sample with your own code"
         )
-    adapted, _ = with_adapters(GPT(model_cfg), model_cfg, ckpt.manifest.identity.get(BASE_DIGEST))
+    built = build_model(model_cfg)
+    adapted, _ = with_adapters(built, model_cfg, ckpt.manifest.identity.get(BASE_DIGEST))
     adapted.load_state_dict(ckpt.state("model"))
-    model = merge_adapters(adapted)  # model.peft: LoRA folded into the GPT's weights; else the GPT itself
-    assert isinstance(model, GPT)
+    model = merge_adapters(adapted)  # model.peft: LoRA folded into the base's weights; else the model itself
+    assert isinstance(model, (GPT, HFCausalLM))
     return model.to(device).eval(), ckpt
+
+
+@torch.inference_mode()
+def continuation(
+    model: GPT | HFCausalLM, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None
+) -> torch.Tensor:
+    """idx (B, T) and max_new_tokens tokens sampled after it: each from the logits of the last block_size tokens
+    at temperature, among the top_k likeliest (None: all)."""
+    if isinstance(model, GPT):
+        return model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+    for _ in range(max_new_tokens):
+        logits = model.logits(idx[:, -model.block_size :])[:, -1, :].float() / max(temperature, 1e-5)
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
+        idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, dim=-1), 1)], dim=1)
+    return idx
 
 
 def data_tokenizer(ckpt: VerifiedCheckpoint, data_dir: Path | None = None) -> Tokenizer:
@@ -120,13 +143,13 @@ def sample(
 
     data_dir: the prepared corpus whose tokenizer to use (default: the run's data.dir)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, ckpt = load_gpt(run_dir, device)
-    path = ckpt.path
+    model, ckpt = load_model(run_dir, device)
     tokenizer = data_tokenizer(ckpt, data_dir)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ConfigError(f"the data's tokenizer has {tokenizer.vocab_size} tokens, the model {model.cfg.vocab_size}")
+    vocab = model.cfg.vocab_size if isinstance(model, GPT) else model.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"the data's tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}")
     ids = tokenizer.encode(prompt) or tokenizer.encode("\n")  # the model needs one token to condition on
     torch.manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-    return tokenizer.decode(out[0].tolist()), path
+    out = continuation(model, idx, max_new_tokens, temperature, top_k)
+    return tokenizer.decode(out[0].tolist()), ckpt.path

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from ddptrain import run
 from ddptrain.cli_options import option
 from ddptrain.config import describe_fields
-from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from ddptrain.train.preemption import hold_until_exit
 
 
@@ -27,4 +26,4 @@ def train(options: TrainOptions) -> int:
         return 0
     hold_until_exit()  # this process ends with the run: a late signal must not replace the first one's exit code
     result = run.train(options.config, overrides=options.overrides)
-    return {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}.get(result.status, 0)
+    return result.exit_code

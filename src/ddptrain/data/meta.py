@@ -17,6 +17,7 @@ Three shapes are read:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -43,6 +44,8 @@ SHARD_PATTERN = r"^(train|val)-[0-9]{5,}\.bin$"  # shards.shard_name: nothing ou
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MASK_PATTERN = r"^(train|val)-[0-9]{5,}\.mask$"  # shards.shard_name with MASK_SUFFIX
 Count = Annotated[int, Field(ge=0, le=_COUNT)]
+MAX_TEMPLATE_CHARS = 1 << 20  # a chat template's text (the largest in use are ~20 KB)
+SpecialKey = Literal["bos_token", "eos_token", "pad_token", "unk_token"]
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
@@ -74,6 +77,10 @@ class SftMeta(_Strict):
     fields: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=2)]
     template: Literal["builtin", "tokenizer"] | None
     template_sha256: Hex64 | None
+    # The template's text and the special tokens it rendered with (chat data prepared since exports carry them:
+    # `ddptrain export --format hf/peft` writes both into the exported tokenizer).
+    chat_template: Annotated[str, Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)] | None = None
+    special_tokens: dict[SpecialKey, Annotated[str, Field(max_length=4096)]] | None = None
 
 
 class TokenizerMeta(_Strict):
@@ -131,6 +138,9 @@ def _problems(m: CorpusMeta) -> list[str]:
         out.append("tokenizer kind 'bytes' means vocab_size 256, dtype 'uint8' and eos_id null")
     if m.eos_id is not None and m.eos_id >= m.vocab_size:
         out.append(f"eos_id {m.eos_id} is not below vocab_size {m.vocab_size}")
+    if m.sft is not None and m.sft.chat_template is not None:
+        if hashlib.sha256(m.sft.chat_template.encode()).hexdigest() != m.sft.template_sha256:
+            out.append("sft.chat_template does not match sft.template_sha256")
     names = [s.file for split in ("train", "val") for s in getattr(m.shards, split)]
     if len(set(names)) != len(names):
         out.append("shards: a file is listed twice")
@@ -194,6 +204,10 @@ def _without_absent(meta: dict[str, Any]) -> dict[str, Any]:
     """The dump without the instruction-data keys a corpus does not have: the meta.json as written."""
     if meta["sft"] is None:
         del meta["sft"]
+    else:
+        for key in ("chat_template", "special_tokens"):
+            if meta["sft"][key] is None:
+                del meta["sft"][key]
     for split in meta["shards"].values():
         for shard in split:
             if shard["mask"] is None:

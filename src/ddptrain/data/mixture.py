@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _CACHE_EVERY = 1024  # batches between the running totals kept for random access
+SOURCE_VAL_LOSS = "val_loss/"  # an evaluation record's key of one source's own val loss: val_loss/<name>
 
 
 @dataclass(frozen=True)
@@ -181,3 +182,12 @@ class MixtureDataset(Dataset[Any]):
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1009 + source)
             self._orders[key] = torch.randperm(self.sizes[source], generator=g).numpy()  # numpy: faster to index
         return self._orders[key]
+
+
+class MixtureValidation(ConcatDataset[Any]):
+    """A mixture's validation sets one after another (what val_loss reads, as before), each also known by its
+    source's name: the trainer adds each source's own loss (`val_loss/<name>`)."""
+
+    def __init__(self, named: Sequence[tuple[str, Dataset[Any]]]) -> None:
+        super().__init__([dataset for _, dataset in named])
+        self.named = list(named)

@@ -2,7 +2,8 @@
 
 Each entry is a source of its own (a prepared corpus in `dir`, or a factory in `target`), built by
 the same rule as data.dir / data.target. The mixture prepares its parts, checks they share one
-vocabulary, trains on their weighted stream and evaluates on all their validation sets together.
+vocabulary, trains on their weighted stream and evaluates on all their validation sets together (val_loss), and
+on each one alone (val_loss/<name>).
 Its identity is its parts' (names, weights and each part's identity): ranks given different weights
 stop before the first step, and a resume with other weights is refused, since the stream's positions
 would then name other samples.
@@ -14,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain.config import DataConfig
 from ddptrain.config.data import MixtureSourceConfig
-from ddptrain.data.mixture import MixtureDataset, MixturePart
+from ddptrain.data.mixture import MixtureDataset, MixturePart, MixtureValidation
 from ddptrain.data.source import Datasets, DataSource, LiveData, Sampling
 from ddptrain.data.tokenizer import Tokenizer
 from ddptrain.dist import DistContext
@@ -54,15 +55,17 @@ class Mixture(DataSource):
             part.prepare(ctx, wait_s)
 
     def datasets(self, sampling: Sampling) -> Datasets:
-        """The weighted stream of the parts' training sets; their validation sets one after another."""
-        trains, vals = [], []
+        """The weighted stream of the parts' training sets; their validation sets one after another, each known
+        by its source's name (the trainer logs each one's loss too)."""
+        trains: list[MixturePart] = []
+        vals: list[tuple[str, Dataset[Any]]] = []
         for entry, part in self.parts:
             train, val = part.datasets(sampling)
             trains.append(MixturePart(entry.name, train, entry.weight))
             if val is not None:
-                vals.append(val)
+                vals.append((entry.name, val))
         mixed = MixtureDataset(trains, sampling.global_batch, sampling.seed)
-        return mixed, (ConcatDataset(vals) if vals else None)
+        return mixed, (MixtureValidation(vals) if vals else None)
 
     def vocab_size(self) -> int | None:
         """The parts' one vocabulary (None when none of them knows it); ConfigError when they differ."""

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ddptrain.data.meta import FORMAT, META, parse_meta, read_meta_file
+from ddptrain.data.progress import PROGRESS_EVERY_S, Ticker, WorkCounter, heartbeat
 from ddptrain.data.publish import PREPARE_WAIT_S, PrepareLock, read_recipe
 from ddptrain.data.sft import SftSpec, check_sft_sources, parse_sft, record_texts, tokenize_records, validation_cut
 from ddptrain.data.shards import MASK_SUFFIX, ShardWriter
@@ -85,6 +86,7 @@ class PrepareOptions:
     wait_s: float = PREPARE_WAIT_S
     force: bool = False  # prepare into a folder holding files no prepare wrote (replacing those of its names)
     sft: str | None = None  # instruction records: "PROMPT,COMPLETION" or "MESSAGES" field names (data/sft.py)
+    progress_every_s: float = PROGRESS_EVERY_S  # a line on the long work (data/progress.py) this often
 
 
 # ---- worker processes -------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def _results(
 
 
 def _setup_tokenizer(
-    spec: TokenizerSpec, files: list[Path], folder: Path, text_field: str, sft: SftSpec | None
+    spec: TokenizerSpec, files: list[Path], folder: Path, opts: PrepareOptions, say: Callable[[str], None]
 ) -> Tokenizer:
     target = folder / TOKENIZER_FILE
     if spec.kind == "bytes":
@@ -161,8 +163,11 @@ def _setup_tokenizer(
         assert spec.path is not None
         shutil.copyfile(spec.path, target)
     else:
-        texts = record_texts(files, sft) if sft is not None else iter_documents(files, text_field)
-        train_bpe(texts, spec.vocab_size, target)
+        sft = parse_sft(opts.sft, spec.path) if opts.sft is not None else None
+        texts = record_texts(files, sft) if sft is not None else iter_documents(files, opts.text_field)
+        read = WorkCounter()
+        with heartbeat(say, lambda: read.training(spec.vocab_size), opts.progress_every_s):
+            train_bpe(read.counted(texts), spec.vocab_size, target)
     return load_tokenizer_file(target)
 
 
@@ -253,7 +258,7 @@ def _prepare_locked(
             if not opts.force:
                 lock.refuse_foreign(_FORCE_HINT.format(out=out_dir))
             lock.private.mkdir()
-            info = _prepare_into(sources, lock.private, val_fraction, opts, spec, recipe)
+            info = _prepare_into(sources, lock.private, val_fraction, opts, spec, recipe, say)
             lock.publish()
     except OSError as e:
         if e.errno in DISK_ERRNOS:
@@ -280,29 +285,22 @@ def _info_of(out_dir: Path) -> CorpusInfo:
 
 
 def _prepare_into(
-    sources: list[Path], folder: Path, val_fraction: float, opts: PrepareOptions, spec: TokenizerSpec, recipe: str
+    sources: list[Path],
+    folder: Path,
+    val_fraction: float,
+    opts: PrepareOptions,
+    spec: TokenizerSpec,
+    recipe: str,
+    say: Callable[[str], None] = log.warning,
 ) -> CorpusInfo:
     """The pipeline: tokenize the files into shards and meta.json in folder (a fresh, private one)."""
     sft = parse_sft(opts.sft, spec.path) if opts.sft is not None else None
-    tokenizer = _setup_tokenizer(spec, sources, folder, opts.text_field, sft)
+    tokenizer = _setup_tokenizer(spec, sources, folder, opts, say)
     if sft is not None:
         sft = sft.for_tokenizer(tokenizer.hf.id_to_token(tokenizer.eos_id) if tokenizer.hf is not None else "")
-    workers = opts.workers or len(os.sched_getaffinity(0))
-    writers = {s: ShardWriter(folder, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
-    masks = {s: ShardWriter(folder, s, opts.shard_tokens, np.dtype(np.uint8), MASK_SUFFIX) for s in SPLITS}
-    documents = input_bytes = 0
-    tasks = plan_tasks(sources, opts.task_bytes)
-    for tokens, mask, docs, nbytes in _results(tasks, tokenizer, folder, opts, workers, sft):
-        cut = len(tokens) - int(len(tokens) * val_fraction) if mask is None else validation_cut(mask, val_fraction)
-        writers["train"].append(tokens[:cut])
-        writers["val"].append(tokens[cut:])
-        if mask is not None:
-            masks["train"].append(mask[:cut])
-            masks["val"].append(mask[cut:])
-        documents += docs
-        input_bytes += nbytes
-    shards = {s: w.finish() for s, w in writers.items()}
-    mask_shards = {s: w.finish() for s, w in masks.items()}
+    shards, mask_shards, documents, input_bytes = _write_shards(
+        sources, folder, val_fraction, opts, tokenizer, sft, say
+    )
     counts = {s: sum(x["tokens"] for x in shards[s]) for s in SPLITS}
     if counts["train"] < 1024 or counts["val"] < 256:
         raise DataError(
@@ -327,7 +325,7 @@ def _prepare_into(
         "val_tokens": counts["val"],
         "shards": _with_masks(shards, mask_shards),
         "recipe": recipe,
-        **({"sft": sft.described()} if sft is not None else {}),
+        **({"sft": sft.recorded()} if sft is not None else {}),
     }
     _write_meta(folder, meta)
     return CorpusInfo(
@@ -339,6 +337,47 @@ def _prepare_into(
         tokenizer.vocab_size,
         len(shards["train"]) + len(shards["val"]),
     )
+
+
+def _write_shards(
+    sources: list[Path],
+    folder: Path,
+    val_fraction: float,
+    opts: PrepareOptions,
+    tokenizer: Tokenizer,
+    sft: SftSpec | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]], int, int]:
+    """Tokenize the sources into folder's train/val shards (and masks), saying how far it got every
+    opts.progress_every_s: (shards, mask shards, documents, input bytes)."""
+    workers = opts.workers or len(os.sched_getaffinity(0))
+    writers = {s: ShardWriter(folder, s, opts.shard_tokens, tokenizer.dtype) for s in SPLITS}
+    masks = {s: ShardWriter(folder, s, opts.shard_tokens, np.dtype(np.uint8), MASK_SUFFIX) for s in SPLITS}
+    documents = input_bytes = 0
+    done = WorkCounter(sum(t.input_bytes for t in plan_tasks(sources, opts.task_bytes)))
+    planned: deque[Task] = deque()  # the tasks handed out, oldest first: results come back in their order
+    tasks = _handed_out(plan_tasks(sources, opts.task_bytes), planned)
+    ticker = Ticker(say, done.tokenizing, opts.progress_every_s)
+    for tokens, mask, docs, nbytes in _results(tasks, tokenizer, folder, opts, workers, sft):
+        cut = len(tokens) - int(len(tokens) * val_fraction) if mask is None else validation_cut(mask, val_fraction)
+        writers["train"].append(tokens[:cut])
+        writers["val"].append(tokens[cut:])
+        if mask is not None:
+            masks["train"].append(mask[:cut])
+            masks["val"].append(mask[cut:])
+        documents += docs
+        input_bytes += nbytes
+        done.done_bytes += planned.popleft().input_bytes
+        ticker.tick()
+    shards = {s: w.finish() for s, w in writers.items()}
+    return shards, {s: w.finish() for s, w in masks.items()}, documents, input_bytes
+
+
+def _handed_out(tasks: Iterator[Task], planned: deque[Task]) -> Iterator[Task]:
+    """tasks, each appended to planned as it is handed out (for the progress count)."""
+    for task in tasks:
+        planned.append(task)
+        yield task
 
 
 def _with_masks(shards: dict[str, list[Any]], masks: dict[str, list[Any]]) -> dict[str, list[Any]]:

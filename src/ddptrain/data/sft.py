@@ -80,11 +80,18 @@ class SftSpec:
         return replace(self, special=(*self.special, ("eos_token", eos_text)))
 
     def described(self) -> dict[str, Any]:
-        """What meta.json and the prepare recipe record of it."""
+        """What the prepare recipe records of it."""
         if not self.chat:
             return {"fields": list(self.fields), "template": None, "template_sha256": None}
         digest = hashlib.sha256(self.template.encode()).hexdigest()
         return {"fields": list(self.fields), "template": self.template_source, "template_sha256": digest}
+
+    def recorded(self) -> dict[str, Any]:
+        """What meta.json records of it: described(), and for chat records the template's text and the special
+        tokens it rendered with (an export's tokenizer carries both; the recipe stays described())."""
+        if not self.chat:
+            return self.described()
+        return {**self.described(), "chat_template": self.template, "special_tokens": dict(self.special)}
 
 
 def parse_sft(text: str, tokenizer_file: Path | None) -> SftSpec:

@@ -44,6 +44,7 @@ class Task:
 
     index: int
     pieces: tuple[Piece, ...]
+    input_bytes: int = 0  # what its pieces stand for (Piece.input_bytes): a prepare's progress counts these
 
 
 def is_jsonl(path: Path) -> bool:
@@ -83,11 +84,11 @@ def plan_tasks(files: list[Path], task_bytes: int) -> Iterator[Task]:
             group.append(piece)
             group_bytes += piece.input_bytes(size)
             if group_bytes >= task_bytes:
-                yield Task(index, tuple(group))
+                yield Task(index, tuple(group), group_bytes)
                 index += 1
                 group, group_bytes = [], 0
     if group:
-        yield Task(index, tuple(group))
+        yield Task(index, tuple(group), group_bytes)
 
 
 def read_documents(piece: Piece, text_field: str) -> Iterator[bytes]:

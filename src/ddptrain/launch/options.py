@@ -16,7 +16,7 @@ from ddptrain.config import MAX_TIMEOUT_S
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.etcd_endpoints import ETCD_BACKENDS
 from ddptrain.launch.rdzv_conf import parse_rdzv_conf
-from ddptrain.launch.worker_start import WORKER_STARTS
+from ddptrain.launch.worker_start import WORKER_STARTS, is_script
 
 EXIT_OK = 0
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -92,7 +92,10 @@ class LaunchOptions:
     )
     dry_run: bool = option(False, "print the equivalent torchrun command and exit")
     worker_command: tuple[str, ...] = option(
-        (), "after --: the ddptrain command each worker runs, e.g. train -c cfg.yaml", remainder=True
+        (),
+        "after --: the ddptrain command each worker runs, e.g. train -c cfg.yaml, or a Python script and its "
+        "arguments (script.py ARGS: run as torchrun runs one, e.g. a ddptrain.train() script)",
+        remainder=True,
     )
 
     def check_exit_code(self) -> None:
@@ -105,9 +108,15 @@ class LaunchOptions:
         """The ddptrain command each worker runs (what follows `--`); LaunchError when there is none."""
         if not self.worker_command:
             raise LaunchError(
-                "nothing to launch: add the worker command after --, e.g. ddptrain launch ... -- train -c cfg.yaml"
+                "nothing to launch: add the worker command after --, e.g. ddptrain launch ... -- train -c cfg.yaml "
+                "(or -- script.py ARGS)"
             )
         return list(self.worker_command)
+
+    def worker_argv(self) -> list[str]:
+        """What torchrun runs in each worker: `-m ddptrain COMMAND...`, or `SCRIPT ARGS...` for a Python script."""
+        command = self.command()
+        return command if is_script(command[0]) else ["-m", "ddptrain", *command]
 
     def check_numbers(self) -> None:
         """Every number within its range, every signal a signal, every --rdzv-conf item known (exit 2 naming it)."""

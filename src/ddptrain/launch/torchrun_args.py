@@ -79,7 +79,7 @@ def interface_of(addr: str) -> str | None:
 
 def torchrun_command(options: LaunchOptions) -> tuple[dict[str, str], list[str]]:
     """(environment additions, torchrun arguments) equivalent to the launch options."""
-    command = options.command()
+    worker = options.worker_argv()
     _, max_nodes = node_counts(options.nnodes)
     workers, _ = workers_here(options.nproc_per_node)
     options.check_numbers()
@@ -109,7 +109,7 @@ def torchrun_command(options: LaunchOptions) -> tuple[dict[str, str], list[str]]
         iface = interface_of(node_addr)
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = iface  # gloo would otherwise pick by resolving the hostname
-    return env, [*argv, "-m", "ddptrain", *command]
+    return env, [*argv, *worker]
 
 
 def _worker_env(options: LaunchOptions, workers: int) -> dict[str, str]:

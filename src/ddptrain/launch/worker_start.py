@@ -31,6 +31,12 @@ PRELOAD = ["ddptrain.launch.preload"]  # the imports, and stop signals ignored b
 WORKER_STARTS = ("preloaded", "exec")
 
 
+def is_script(word: str) -> bool:
+    """Whether a worker command's first word names a Python script (run as `python SCRIPT ARGS`, as torchrun
+    runs one) rather than a ddptrain subcommand."""
+    return word.endswith(".py")
+
+
 def use_preloaded_server() -> str:
     """Make worker processes fork from a preloaded server; returns the start method for torch's agent."""
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -47,7 +53,8 @@ def _no_exit_traceback(record: logging.LogRecord) -> bool:
 
 
 def run_worker(agent_marks: str, *argv: str) -> None:
-    """`python -m ddptrain ARGV` in this forked process: its exit code is the worker's exit code."""
+    """`python -m ddptrain ARGV` (or `python SCRIPT ARGS` when ARGV names a script) in this forked process: its
+    exit code is the worker's exit code."""
     # A session of its own, as torchrun gives exec'd workers: a terminal's Ctrl-C reaches the
     # agent only, which forwards it once (a second one means "quit now" to the workers).
     os.setsid()
@@ -57,11 +64,16 @@ def run_worker(agent_marks: str, *argv: str) -> None:
         os.environ[AGENT_MARKS_ENV] = agent_marks
     else:
         os.environ.pop(AGENT_MARKS_ENV, None)
-    sys.path.insert(0, os.getcwd())  # as `python -m` does: modules named by targets resolve from the cwd
-    sys.argv = ["ddptrain", *argv]
+    script = argv[0] if argv and is_script(argv[0]) else None
+    # As `python -m` puts the cwd first (modules named by targets resolve from it), `python SCRIPT` its folder.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)) if script else os.getcwd())
+    sys.argv = list(argv) if script else ["ddptrain", *argv]
     # `python -u` of the exec start: output reaches the agent's log as it is written.
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+    if script:
+        runpy.run_path(script, run_name="__main__")
+    else:
+        runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)

@@ -26,6 +26,7 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ddptrain.checkpoint import committed_checkpoints  # noqa: E402
+from ddptrain.data.mixture import SOURCE_VAL_LOSS  # noqa: E402
 from ddptrain.errors import ConfigError, DataError  # noqa: E402
 from ddptrain.review.diagnostic_events import (  # noqa: E402
     diagnostic_events,
@@ -206,8 +207,20 @@ def segments(story: Story) -> list[tuple[int, int, int, list[dict[str, Any]]]]:
 def custom_metric_names(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[str]:
     """The metrics of the run's own: listed by its train records, or recorded by its evaluations as val_<name>."""
     names = {str(n) for r in train for n in r.get("custom_metrics", [])}
-    names |= {k.removeprefix("val_") for e in evals for k in e if k.startswith("val_") and k != "val_loss"}
+    names |= {
+        k.removeprefix("val_")
+        for e in evals
+        for k in e
+        if k.startswith("val_") and k != "val_loss" and not k.startswith(SOURCE_VAL_LOSS)
+    }
     return sorted(names)
+
+
+def source_val_names(evals: list[dict[str, Any]]) -> list[str]:
+    """The sources of a mixture whose own val loss the evaluations recorded (`val_loss/<name>`), in order."""
+    return list(
+        dict.fromkeys(k.removeprefix(SOURCE_VAL_LOSS) for e in evals for k in e if k.startswith(SOURCE_VAL_LOSS))
+    )
 
 
 def mixture_shares(mixed: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -251,6 +264,8 @@ def plot_all(run_dir: Path, story: Story, out: Path) -> list[Path]:
     ax.plot(*_series(train, "loss"), label="train loss")
     if evals:
         ax.plot(*_series(evals, "val_loss"), "o-", label="val loss")
+        for name in source_val_names(evals):  # a mixture: each source's own
+            ax.plot(*_series(evals, f"{SOURCE_VAL_LOSS}{name}"), ".--", label=f"val loss {name}")
     paths.append(_save(fig, ax, story, out / "loss.png"))
 
     fig, ax = _figure("learning rate", info, story, "learning rate")

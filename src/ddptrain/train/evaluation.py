@@ -12,7 +12,7 @@ like the loss and travel in the same all-reduce: `Evaluation.metrics`, keyed by 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ class Evaluation:
 
     loss: float
     metrics: dict[str, float]
+    sources: dict[str, float] = field(default_factory=dict)  # a mixture's: each source's own val loss, by name
 
 
 Measured = tuple[torch.Tensor, Mapping[str, torch.Tensor]]  # a batch's mean loss and its metrics

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
+from ddptrain.data.mixture import SOURCE_VAL_LOSS, MixtureValidation
 from ddptrain.dist import DistContext, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
@@ -197,14 +198,23 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------
 
     def evaluate(self) -> Evaluation | None:
-        """Mean validation loss and metrics over the first train.eval_batches x train.global_batch_size samples (any world size)."""
+        """Mean validation loss and metrics over the first train.eval_batches x train.global_batch_size samples (any
+        world size); a mixture's also each source's loss over as many of its own validation samples."""
         if self.val_set is None:
             return None
         train = self.cfg.train
-        n = eval_samples(train.eval_batches, train.global_batch_size, len(self.val_set))  # type: ignore[arg-type]
         micro = self.cfg.data.micro_batch_size
         forward = measured_forward(self.precision, self.ctx.device, self.model_name, self.custom)
-        return evaluate_loss(self.model, self.val_set, n, micro, self.ctx, forward, self.collate)
+
+        def over(dataset: Dataset[Any]) -> Evaluation | None:
+            n = eval_samples(train.eval_batches, train.global_batch_size, len(dataset))  # type: ignore[arg-type]
+            return evaluate_loss(self.model, dataset, n, micro, self.ctx, forward, self.collate)
+
+        result = over(self.val_set)
+        if result is None or not isinstance(self.val_set, MixtureValidation):
+            return result
+        each = {name: over(dataset) for name, dataset in self.val_set.named}
+        return replace(result, sources={name: e.loss for name, e in each.items() if e is not None})
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -405,6 +415,7 @@ class Trainer:
             return verdict
         self.last_val_loss = result.loss
         record: dict[str, Any] = {"step": self.step, "val_loss": result.loss}
+        record.update({f"{SOURCE_VAL_LOSS}{name}": loss for name, loss in result.sources.items()})
         merge_metrics(record, {f"val_{k}": v for k, v in result.metrics.items()}, self.custom.origin)
         self.metrics.write("eval", **record)
         log.info("step %6d  %s", self.step, "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))

@@ -25,6 +25,7 @@ from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.observe.trackers.background import BackgroundTracker, Backlog
 from ddptrain.observe.trackers.base import Sink, StartInfo, flatten
+from ddptrain.observe.trackers.mlflow_tracker import refuse_file_store
 from ddptrain.observe.trackers.state import TrackerState
 from ddptrain.run_folder import metrics_file
 
@@ -38,15 +39,19 @@ def tracker_names(log: LogConfig) -> list[str]:
 
 
 def require_packages(log: LogConfig) -> None:
-    """Raise ConfigError (exit 2) naming the extra when a requested tracker's package is missing.
+    """Raise ConfigError (exit 2) naming the extra when a requested tracker's package is missing, or naming a
+    store the tracker cannot record to (MLflow 3's file store).
 
     Every rank calls this before any collective, so that all of them stop, not only rank 0.
     """
-    for name in tracker_names(log):
+    names = tracker_names(log)
+    for name in names:
         kind = TRACKERS[name]
         if kind.package is not None and importlib.util.find_spec(kind.package) is None:
             how = f"pip install 'ddptrain[{kind.extra}]'" if kind.extra else f"install {kind.package}"
             raise ConfigError(f"log.trackers asks for {name}, but the {kind.package} package is not installed: {how}")
+    if "mlflow" in names:
+        refuse_file_store(log.mlflow.tracking_uri)
 
 
 def build_sinks(cfg: Config, ctx: DistContext, say: Callable[[str], None]) -> list[Sink]:

@@ -16,16 +16,45 @@ import json
 import os
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ddptrain.config import Config
+from ddptrain.errors import ConfigError
 from ddptrain.observe.trackers.base import Opened, StartInfo, Update
 from ddptrain.observe.trackers.state import TrackerState
 
 # Without log.mlflow.tracking_uri or MLFLOW_TRACKING_URI: a store in the run folder, its artifacts beside it, and
 # an experiment of ours (MLflow's "Default" experiment keeps its artifacts in the working directory).
 STORE, ARTIFACTS, OWN_EXPERIMENT = "mlflow.db", "mlartifacts", "ddptrain"
+
+
+def refuse_file_store(options_uri: str | None) -> None:
+    """ConfigError (exit 2, one line, before anything is written) when the tracking URI is a file store, which
+    MLflow 3 keeps in maintenance mode and refuses: every delivery would fail, the run would record nothing and
+    wait for the tracker at its end. Unless MLFLOW_ALLOW_FILE_STORE opts in (MLflow then accepts it)."""
+    uri = options_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes"):
+        return
+    scheme = urlparse(uri).scheme
+    if scheme not in ("", "file") or _mlflow_major() < 3:
+        return
+    where = f"log.mlflow.tracking_uri={uri!r}" if options_uri else f"MLFLOW_TRACKING_URI={uri!r}"
+    raise ConfigError(
+        f"{where} is a file store, which MLflow 3 keeps in maintenance mode and refuses (nothing would be "
+        "recorded); use a database store such as sqlite:///path/to/mlflow.db or a tracking server (or leave it "
+        "unset: the run folder's own sqlite store), or set MLFLOW_ALLOW_FILE_STORE=true to use it anyway"
+    )
+
+
+def _mlflow_major() -> int:
+    """The installed MLflow's major version (0 when it cannot be told)."""
+    try:
+        return int(version("mlflow").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return 0
 
 
 def build(cfg: Config, state: TrackerState | None) -> MLflowTracker:
