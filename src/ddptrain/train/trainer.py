@@ -41,6 +41,7 @@ from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
 from ddptrain.train.hooks import Hooks, Observers
+from ddptrain.train.log_window import LogWindow
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import by_name, is_sharded, load_full_state, local_norm, set_gradient_sync, unwrap_model
 from ddptrain.train.precision import NonFiniteSteps, Precision
@@ -100,6 +101,7 @@ class Trainer:
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
         self.step = 0
+        self.window = LogWindow(ctx.device)  # the steps since the last logged one (saved with the state)
         self.world_size = ctx.world_size  # the ranks that took part in the last step
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
@@ -222,6 +224,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "world_size": self.ctx.world_size,
                 "early_stop": self.early_stop.state_dict() if self.early_stop is not None else None,
+                "log_window": self.window.state_dict(self.mean_over_ranks),
             },
         }
 
@@ -241,6 +244,7 @@ class Trainer:
         self.sampler.load_state_dict(t["sampler"])
         if self.early_stop is not None and t.get("early_stop"):  # older checkpoints have none
             self.early_stop.load_state_dict(t["early_stop"])
+        self.window.load_state_dict(t.get("log_window"))  # older checkpoints have none: an empty window
         self._batches = None
 
     def save_checkpoint(self) -> None:
@@ -276,8 +280,6 @@ class Trainer:
         cfg = self.cfg
         if isinstance(self.scheduler, PlannedSchedule):
             self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
-        window_loss = torch.zeros((), device=self.ctx.device)
-        window_steps, window_time = 0, 0.0
         if self.early_stop is not None and self.early_stop.stopped:  # resumed from the checkpoint it stopped at
             self.stopped_because = self.early_stop_reason()
             return
@@ -292,14 +294,12 @@ class Trainer:
             self.observers.step_trained(self.step)
             if agreed == LEASE_LOST:  # at once: nothing of this step is logged or saved
                 raise self._lease_lost(stop_request)
-            window_loss += result.loss
-            window_steps += 1
-            window_time += result.seconds
+            self.window.add(result.loss, result.seconds)
             last = self.step == cfg.train.max_steps
             if self.logs_at(self.step):
-                self.log_train(window_loss / window_steps, window_steps, window_time, result.grad_norm)
-                window_loss.zero_()
-                window_steps, window_time = 0, 0.0
+                w = self.window
+                self.log_train(w.loss / w.steps, w.steps, w.seconds, result.grad_norm)
+                w.reset()
             self.observers.step_ended(self.step)
             verdict = self.evaluate_and_save(agreed, last)
             # The same verdict on every rank: an agreed hook stop, or a judgement of all-reduced evaluations.
@@ -379,7 +379,7 @@ class Trainer:
         if skipped:
             record["skipped_steps"] = skipped
             log.warning("%d step(s) skipped for a non-finite gradient up to step %d", skipped, self.step)
-        custom = self.custom.take(self.ctx, steps)
+        custom = self.custom.take(self.ctx, max(self.window.trained, 1))  # the steps its sums cover
         merge_metrics(record, custom, self.custom.origin)
         if custom:
             record["custom_metrics"] = sorted(custom)  # how ddptrain report tells them from the built-in keys
