@@ -101,6 +101,10 @@ class InPlaceTrainer(Trainer):
         """Leave the quorum: stop the Manager's server and threads."""
         self.session.close()
 
+    def event_fields(self) -> dict[str, Any]:
+        """This group's start, resume and end records name it (`ddptrain report` tells each group's story)."""
+        return {"replica_group": self.group_id}
+
     def live_state(self) -> dict[str, Any]:
         """What a donor sends a joining group: the whole training state, data position included, and who took part
         in the last step (so that a joiner that comes to write the folder reports the next change right)."""

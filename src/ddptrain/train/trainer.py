@@ -119,6 +119,11 @@ class Trainer:
     def close(self) -> None:
         """Release what the trainer holds beyond the run's parts: nothing here (the in-place mode: its Manager)."""
 
+    def event_fields(self) -> dict[str, Any]:
+        """What the start and end records of this process say about who wrote them: nothing more here (the
+        in-place mode: its replica group)."""
+        return {}
+
     def logs_at(self, step: int) -> bool:
         """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
