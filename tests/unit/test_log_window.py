@@ -71,15 +71,16 @@ def test_an_empty_window_reads_nothing_and_an_old_checkpoint_starts_one() -> Non
     def never(_: torch.Tensor) -> float:
         raise AssertionError("an empty window needs no collective")
 
-    assert window.state_dict(never) == {"steps": 0, "seconds": 0.0, "loss": 0.0}
+    assert window.state_dict(never) == {"steps": 0, "seconds": 0.0, "loss": 0.0, "rank_losses": [0.0]}
     window.add(torch.tensor(1.5), 0.25)
     window.add(torch.tensor(2.5), 0.25)
-    state = window.state_dict(lambda t: float(t))
-    assert state == {"steps": 2, "seconds": 0.5, "loss": 4.0} and window.trained == 2
+    state = window.state_dict(lambda t: [float(t), 2.0])  # as two ranks would: this one's sum, then the other's
+    assert state == {"steps": 2, "seconds": 0.5, "loss": 3.0, "rank_losses": [4.0, 2.0]} and window.trained == 2
     other = LogWindow(torch.device("cpu"))
-    other.load_state_dict(state)
-    assert (float(other.loss), other.steps, other.trained, other.seconds) == (4.0, 2, 0, 0.5)
-    other.load_state_dict(None)  # a checkpoint from before the window was saved
+    for rank, world_size, loss in ((0, 2, 4.0), (1, 2, 2.0), (0, 1, 3.0), (2, 4, 3.0)):  # own sum, else the mean
+        other.load_state_dict(state, rank, world_size)
+        assert (float(other.loss), other.steps, other.trained, other.seconds) == (loss, 2, 0, 0.5)
+    other.load_state_dict(None, 0, 1)  # a checkpoint from before the window was saved
     assert (float(other.loss), other.steps, other.seconds) == (0.0, 0, 0.0)
 
 

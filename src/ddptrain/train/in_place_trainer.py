@@ -311,6 +311,11 @@ class InPlaceTrainer(Trainer):
         """The logged loss is already the mean over every rank of the step (step_sum)."""
         return float(value)
 
+    def per_rank(self, value: torch.Tensor) -> list[float]:
+        """The window's loss is the job's, the same on every rank (step_sum): no collective (a donor's live state is
+        read on torchft's quorum thread)."""
+        return [float(value)]
+
     def save_checkpoint(self) -> None:
         """The writing group saves (every group holds the same state after a commit)."""
         if self.writer:

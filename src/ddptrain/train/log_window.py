@@ -39,17 +39,19 @@ class LogWindow:
         self.loss.zero_()
         self.steps, self.trained, self.seconds = 0, 0, 0.0
 
-    def state_dict(self, mean_over_ranks: Callable[[torch.Tensor], float]) -> dict[str, Any]:
-        """{"steps", "seconds", "loss"}; loss: the window's summed loss as the ranks' mean (mean_over_ranks is a
-        collective where the ranks' losses differ: every rank calls it, or none; an empty window reads nothing)."""
-        loss = mean_over_ranks(self.loss) if self.steps else 0.0
-        return {"steps": self.steps, "seconds": self.seconds, "loss": loss}
+    def state_dict(self, per_rank: Callable[[torch.Tensor], list[float]]) -> dict[str, Any]:
+        """{"steps", "seconds", "loss", "rank_losses"}: per_rank gives every rank's summed loss (a collective where
+        the ranks' losses differ: every rank calls it, or none; an empty window reads nothing); loss is their mean."""
+        losses = per_rank(self.loss) if self.steps else [0.0]
+        return {"steps": self.steps, "seconds": self.seconds, "loss": sum(losses) / len(losses), "rank_losses": losses}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None, rank: int, world_size: int) -> None:
         """Continue the window of state_dict() (None: a checkpoint older than the window starts an empty one).
 
-        Every rank continues from the ranks' mean, so the next logged mean over ranks is the window's mean."""
+        At the world size that saved it each rank continues its own sum (the next logged mean is bit for bit the
+        uninterrupted run's); at another one every rank continues from the ranks' mean (the same mean, rounded)."""
         self.reset()
         if state:
-            self.loss.fill_(float(state["loss"]))
+            losses = state.get("rank_losses") or []
+            self.loss.fill_(float(losses[rank]) if len(losses) == world_size else float(state["loss"]))
             self.steps, self.seconds = int(state["steps"]), float(state["seconds"])

@@ -29,7 +29,7 @@ from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
-from ddptrain.dist import DistContext, all_reduce_mean
+from ddptrain.dist import DistContext, all_gather_object, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -229,7 +229,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "world_size": self.ctx.world_size,
                 "early_stop": self.early_stop.state_dict() if self.early_stop is not None else None,
-                "log_window": self.window.state_dict(self.mean_over_ranks),
+                "log_window": self.window.state_dict(self.per_rank),
             },
         }
 
@@ -249,7 +249,8 @@ class Trainer:
         self.sampler.load_state_dict(t["sampler"])
         if self.early_stop is not None and t.get("early_stop"):  # older checkpoints have none
             self.early_stop.load_state_dict(t["early_stop"])
-        self.window.load_state_dict(t.get("log_window"))  # older checkpoints have none: an empty window
+        # Older checkpoints have none: an empty window.
+        self.window.load_state_dict(t.get("log_window"), self.ctx.rank, self.ctx.world_size)
         self._batches = None
 
     def save_checkpoint(self) -> None:
@@ -399,6 +400,10 @@ class Trainer:
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The mean of a rank's logged value over the ranks of the step (a host read: logged steps only)."""
         return float(all_reduce_mean(self.ctx, value))
+
+    def per_rank(self, value: torch.Tensor) -> list[float]:
+        """Every rank's value of a scalar, in rank order (a collective: every rank calls it)."""
+        return [float(v) for v in all_gather_object(self.ctx, float(value))]
 
     def log_eval(self, verdict: Verdict) -> Verdict:
         """All ranks evaluate; rank 0 records val_loss and val_<name>; the hooks see the record and
