@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,12 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from ddptrain.cli import main
-from ddptrain.review.membership import step_goodput
+from ddptrain.errors import DataError
+from ddptrain.review.groups import in_place_groups
+from ddptrain.review.membership import membership_lines, step_goodput
+from ddptrain.review.records import read_records
+from ddptrain.review.report import summarize
+from ddptrain.review.story import tell
 
 T0 = 1_800_000_000.0
 STEP_S = 0.5
@@ -158,6 +164,41 @@ def test_report_of_an_in_place_run_lists_group_failures_restarts_and_evictions(
         "24  world size: world size 2 -> 3",
         "31  world size: world size 3 -> 2",
     ]
+
+
+VALUES = st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3) | st.lists(st.integers(-1, 3), max_size=3)
+KEYS = ["replica_group", "restart_count", "groups", "joined", "left", "world_size", "step", "event"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    make=st.sampled_from([four_kills, in_place_records]),
+    key=st.sampled_from([*KEYS, "seconds", "verified", "bytes_per_s", "discarded_steps"]),
+    value=VALUES | st.lists(VALUES, max_size=2),
+    drop=st.booleans(),
+    data=st.data(),
+)
+def test_mutated_group_records_report_or_name_their_line(
+    make: Any, key: str, value: Any, drop: bool, data: st.DataObject
+) -> None:
+    """Any field of the groups' records (starts, quorums, heals, ends) with another value or type: the groups are
+    told, or the line is named (exit 2 in the command), never a traceback."""
+    records = make()
+    index = data.draw(st.sampled_from([i for i, r in enumerate(records) if r["kind"] == "event"]), label="record")
+    if drop:
+        records[index].pop(key, None)
+    else:
+        records[index][key] = value
+    with tempfile.TemporaryDirectory() as folder:
+        run_dir = write_run(Path(folder), records)
+        try:
+            kept, truncated = read_records(run_dir / "metrics.jsonl")
+        except DataError as e:
+            assert f"line {index + 1} is malformed" in str(e), e
+            return
+        story = tell(kept, finished=True)
+        summarize(run_dir, kept, truncated, story, in_place_groups(kept, story))
+        membership_lines(kept)
 
 
 @pytest.mark.timeout(60)

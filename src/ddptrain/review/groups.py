@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain.observe.endings import is_end_record
-from ddptrain.review.story import Event
+from ddptrain.review.story import Event, Story
 
 _STARTS = ("start", "resume")
 _FAILED = (None, "crashed", "stopped")  # how a group's process ended before it was started again: a failure
@@ -100,6 +100,11 @@ class GroupStory:
             self.events.append(Event("world size", step, when, f"world size {self.ranks} -> {ranks}"))
         self.ranks = ranks
 
+    @property
+    def groups(self) -> list[int]:
+        """Every group the records name: in a start record or a quorum."""
+        return sorted(self.started | self.members)
+
     def finish(self) -> None:
         """Groups still away at the end: failed (no end record), or ended as their end record says."""
         for g, left in sorted(self.away.items()):
@@ -135,10 +140,19 @@ def group_story(records: list[dict[str, Any]]) -> GroupStory:
     return story
 
 
-def group_lines(story: GroupStory) -> list[str]:
-    """Summary lines: the groups, their failures, restarts and evictions, and how each one's last process ended."""
-    groups = sorted(story.started | story.members)
-    named = f"{len(groups)} ({', '.join(map(str, groups))}); " if groups else ""
+def in_place_groups(records: list[dict[str, Any]], story: Story) -> GroupStory | None:
+    """For an in-place job (one attempt, quorum events): its groups' story, whose events join the job's; else None."""
+    if not story.attempts[0].in_place:
+        return None
+    groups = group_story(records)
+    story.events = sorted(story.events + groups.events, key=lambda e: (e.time, e.step))
+    return groups
+
+
+def group_lines(story: GroupStory, ending: str) -> list[str]:
+    """Summary lines: the groups, their failures, restarts and evictions, how each one's last process ended, and
+    how the job ended (`ending`: the last end record's words)."""
+    named = f"{len(story.groups)} ({', '.join(map(str, story.groups))}); " if story.groups else ""
     line = (
         f"replica groups: {named}{story.failures} failure(s), {story.restarts} restart(s), "
         f"{story.evictions} eviction(s)"
@@ -148,4 +162,4 @@ def group_lines(story: GroupStory) -> list[str]:
     silent = sorted(story.started - set(story.endings))
     if story.endings and silent:
         line += f"; no end record from group(s) {', '.join(map(str, silent))} (killed, or still running)"
-    return [line]
+    return [line, f"job (in-place, one attempt): {ending}"]

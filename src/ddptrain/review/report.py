@@ -7,8 +7,8 @@ metric-<name>.png per metric of your own (train/custom_metrics.py: the names a t
 `custom_metrics`, and the val_<name> of evaluations). A run that was
 restarted is told as one story (review/story.py): records of abandoned attempts are dropped,
 restarts, resumes, world-size changes, skipped steps, failed saves and how each attempt ended
-(completed, finished early, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
-plot, each kind in a colour and marker of its own with a legend, and listed with their times;
+(completed, finished early, interrupted, preempted, stopped, crashed: observe/endings.py), or an in-place job's
+group failures, restarts and evictions (review/groups.py), are marked on every plot, each kind in a colour and marker of its own with a legend, and listed with their times;
 throughput is given per world-size segment, and the goodput figure shows where the wall time went.
 """
 
@@ -32,7 +32,7 @@ from ddptrain.review.diagnostic_events import (  # noqa: E402
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
-from ddptrain.review.groups import GroupStory, group_lines, group_story  # noqa: E402
+from ddptrain.review.groups import GroupStory, group_lines, in_place_groups  # noqa: E402
 from ddptrain.review.membership import membership_report  # noqa: E402
 from ddptrain.review.records import PHASES, read_records  # noqa: E402
 from ddptrain.review.story import Goodput, Story, goodput, tell  # noqa: E402
@@ -373,7 +373,7 @@ def _attempt_lines(story: Story, groups: GroupStory | None) -> list[str]:
     """How each attempt ended, one line each (a crash without an end record says what may have killed it); an
     in-place job's groups: their failures, restarts and evictions, and how the job ended."""
     if groups is not None:
-        return [*group_lines(groups), f"job (in-place, one attempt): {story.endings[-1].detail}"]
+        return group_lines(groups, story.endings[-1].detail)
     lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
     for i, (attempt, ending) in enumerate(zip(story.attempts, story.endings), 1):
         what = (
@@ -442,15 +442,11 @@ def summarize(
     info = _run_info(run_dir, story)
     sizes = " -> ".join(map(str, info.world_sizes)) or "?"
     cut_off = "; the last line was cut off mid-write" if truncated else ""
+    who = f"{len(groups.groups)} replica group(s) in place" if groups else f"{len(story.attempts)} attempt(s)"
     lines = [
         f"run: {info.name} ({run_dir})",
         f"status: {status}{cut_off}",
-        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; "
-        + (
-            f"{len(groups.started | groups.members)} replica group(s) in place)"
-            if groups
-            else f"{len(story.attempts)} attempt(s))"
-        ),
+        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; {who})",
         f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
     ]
     lines += _attempt_lines(story, groups)
@@ -492,9 +488,7 @@ def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     max_steps = _max_steps(run_dir)
     last_train = _of(records, "train")[-1]["step"]
     story = tell(records, finished=max_steps is not None and last_train >= max_steps)
-    groups = group_story(records) if story.attempts[0].in_place else None
-    if groups is not None:  # the groups' failures, restarts and evictions are the in-place job's events
-        story.events = sorted(story.events + groups.events, key=lambda e: (e.time, e.step))
+    groups = in_place_groups(records, story)  # an in-place job: its groups' failures, restarts, evictions
     in_place, drawn = membership_report(records, out)  # in-place runs: quorum changes, heals, step goodput
     summary = summarize(run_dir, records, truncated, story, groups) + in_place
     write_text_replace(out / "summary.txt", summary + "\n")  # a link planted there is replaced, not followed
