@@ -285,12 +285,17 @@ class InPlaceTrainer(Trainer):
         self.record_own("heal", **record)
 
     def record_own(self, event: str, **fields: Any) -> None:
-        """An event of this group's own (a heal, a failed quorum): written whichever group writes the rest."""
+        """An event of this group's own (a heal, a failed quorum, how it ends): written whichever group writes the
+        rest."""
         was, self.metrics.enabled = self.metrics.enabled, self.ctx.is_main
         try:
-            self.metrics.write("event", event=event, step=self.step, replica_group=self.group_id, **fields)
+            self.metrics.write("event", **{"event": event, "step": self.step, **fields, **self.event_fields()})
         finally:
             self.metrics.enabled = was
+
+    def record_end(self, record: dict[str, Any]) -> None:
+        """Every group records how its process ends, naming itself (`ddptrain report` tells each group's story)."""
+        self.record_own(**record)
 
     def fit(self, stop_request: StopRequest | None = None, timeline: RecoveryTimeline | None = None) -> None:
         """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""

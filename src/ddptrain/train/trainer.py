@@ -124,6 +124,10 @@ class Trainer:
         in-place mode: its replica group)."""
         return {}
 
+    def record_end(self, record: dict[str, Any]) -> None:
+        """Write how this attempt ends (observe/endings.py's end record) into metrics.jsonl."""
+        self.metrics.write("event", **record, **self.event_fields())
+
     def logs_at(self, step: int) -> bool:
         """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
         return step % self.cfg.log.every_steps == 0 or step == self.cfg.train.max_steps
