@@ -129,14 +129,17 @@ def four_kills() -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.timeout(60)
-def test_report_of_an_in_place_run_lists_group_failures_restarts_and_evictions(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def summary_of(run_dir: Path) -> str:
+    """The report's summary.txt, without the plots (main(["report"]) draws them: the test above)."""
+    records, truncated = read_records(run_dir / "metrics.jsonl")
+    story = tell(records, finished=True)
+    return summarize(run_dir, records, truncated, story, in_place_groups(records, story))
+
+
+def test_report_of_an_in_place_run_lists_group_failures_restarts_and_evictions(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path, four_kills())
     (run_dir / "config.yaml").write_text("train:\n  max_steps: 40\n")
-    assert main(["report", str(run_dir)]) == 0
-    out = capsys.readouterr().out
+    out = summary_of(run_dir)
     assert "status: finished (40 steps)" in out
     assert "steps: 40 (world size 3 -> 2 -> 3 -> 2 -> 3 -> 2, global batch 48; 3 replica group(s) in place)" in out
     assert (
@@ -192,12 +195,11 @@ def test_mutated_group_records_report_or_name_their_line(
     with tempfile.TemporaryDirectory() as folder:
         run_dir = write_run(Path(folder), records)
         try:
-            kept, truncated = read_records(run_dir / "metrics.jsonl")
+            kept, _ = read_records(run_dir / "metrics.jsonl")
         except DataError as e:
             assert f"line {index + 1} is malformed" in str(e), e
             return
-        story = tell(kept, finished=True)
-        summarize(run_dir, kept, truncated, story, in_place_groups(kept, story))
+        summary_of(run_dir)
         membership_lines(kept)
 
 
