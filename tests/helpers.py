@@ -236,6 +236,20 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+# `python -c HELD_BACK GATE ARGS`: `python -m ddptrain ARGS` once the file GATE exists, its imports done before (then
+# it touches GATE.ready): a start that takes no time.
+HELD_BACK = """
+import pathlib, runpy, sys, time
+import ddptrain.cli, ddptrain.run
+gate = pathlib.Path(sys.argv.pop(1))
+gate.with_name(gate.name + ".ready").touch()
+while not gate.exists():
+    time.sleep(0.05)
+sys.argv[0] = "ddptrain"
+runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+"""
+
+
 def write_run_records(folder: Path, records: list[Any], name: str, max_steps: int) -> Path:
     """A run folder holding only metrics.jsonl (these records) and a minimal config.yaml: what
     `ddptrain report` reads, for tests of the report without a training run."""

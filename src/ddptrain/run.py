@@ -186,7 +186,7 @@ class Run:
         """Record how this attempt ends (observe/endings.py) in metrics.jsonl and the trackers; close() then
         ends the trackers' runs with it. Written on every way out that runs Python: only a kill leaves none."""
         self.status = kind
-        self.metrics.write("event", **end_record(kind, self.trainer.step, exit_code, **detail))
+        self.trainer.record_end(end_record(kind, self.trainer.step, exit_code, **detail))
 
     def _upload_artifacts(self) -> None:
         """Rank 0: the report and/or the exported model of the finished run, queued for the trackers."""

@@ -2,8 +2,9 @@
 
 Each group is one plain `ddptrain train` process (a group of one rank) with the in-place variables of
 ft_env.py; the regression toy sleeps a little per step so that faults land mid-step. The sample stream
-is checked against a fault-free single-process run through the resume certificate: every step's sample
-ids equal, every step committed exactly once. Each test prints MEASURED lines (run with -s).
+is checked against a fault-free single-process run through the resume certificate: every logged window's
+sample ids equal, every step committed exactly once (and `ddptrain verify-resume` proves it from the run
+folder alone). Each test prints MEASURED lines (run with -s).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, run_ddptrain
+from helpers import HELD_BACK, env_for_subprocess, run_ddptrain
 from netns import Cluster, Node, unavailable_reason
 
 pytestmark = pytest.mark.cluster
@@ -33,8 +34,8 @@ TOY = [
     "train.global_batch_size=24",  # 6 micro-batches: 2 per group at 3 groups, 3 at 2
     "train.warmup_steps=2",
     "train.eval_every=0",
-    "log.every_steps=1",
-    "ckpt.every_steps=10",
+    "log.every_steps=4",  # windows of 4 steps: a replacement healing mid-window writes the next record (issue 38)
+    "ckpt.every_steps=10",  # 10, 30, 50 mid-window: the checkpoints carry the window too
     "dist.ft_timeout_s=10",
     f"train.max_steps={STEPS}",
 ]
@@ -67,7 +68,9 @@ class FaultTolerantJob:
         argv = [sys.executable, "-m", "ddptrain", "lighthouse", "--bind", self.lighthouse]
         node.start(argv, env_for_subprocess(), self.tmp / "lighthouse.log")
 
-    def start_group(self, group: int, **env: str) -> subprocess.Popen[bytes]:
+    def start_group(self, group: int, gate: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
+        """Start replica group `group` on its host; with a gate, its imports are done first and it starts training
+        once the gate file exists (a replacement that takes no time to start, however busy the machine)."""
         node = self.cluster.nodes[group]
         variables = {
             "DDPTRAIN_REPLICA_GROUP": str(group),
@@ -76,7 +79,12 @@ class FaultTolerantJob:
             "GLOO_SOCKET_IFNAME": node.dev,
             **env,
         }
-        argv = [sys.executable, "-m", "ddptrain", "train", *TOY, SLOW, f"run.dir={self.run_dir}"]
+        args = ["train", *TOY, SLOW, f"run.dir={self.run_dir}"]
+        argv = (
+            [sys.executable, "-m", "ddptrain", *args]
+            if gate is None
+            else [sys.executable, "-c", HELD_BACK, str(gate), *args]
+        )
         proc = node.start(argv, env_for_subprocess(variables), self.log(group))
         self.groups[group] = proc
         return proc
@@ -100,9 +108,6 @@ class FaultTolerantJob:
                 return found
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}\n{self.output()}")
-
-    def committed_after(self, t: float) -> dict[str, Any] | None:
-        return next((r for r in self.records() if r["kind"] == "train" and r["time"] > t), None)
 
 
 def listening(node: Node) -> set[str]:
@@ -131,6 +136,10 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     # Both future donors carry a drill: the first state either sends is corrupted (it must be refused).
     pids = {0: job.start_group(0).pid}
     pids |= {g: job.start_group(g, DDPTRAIN_FT_INJECT="corrupt_send").pid for g in (1, 2)}
+    # Group 0's replacement imports meanwhile, held back until the kill (however busy the machine, it must be able
+    # to join before the end).
+    first, gate = job.groups[0], tmp_path / "replace-now"
+    job.start_group(0, gate)
     job.wait_for(
         "step 10 at full membership",
         lambda: any(r.get("step", 0) >= 10 and r.get("world_size") == 3 for r in job.records() if r["kind"] == "train"),
@@ -138,17 +147,17 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     for node in cluster.nodes:  # every server binds the host's address or loopback, never all interfaces
         assert listening(node) <= {node.addr, "127.0.0.1"}, (node.hostname, listening(node))
 
+    job.wait_for("the replacement's imports", gate.with_name(gate.name + ".ready").exists)
     # Killed the moment a step is seen committed: the survivors are somewhere in the next step (forward,
     # all-reduce, quorum or commit); every moment must give the same outcome, so none is drawn at random.
-    job.groups[0].send_signal(signal.SIGKILL)  # the group that writes the folder
+    first.send_signal(signal.SIGKILL)  # the group that writes the folder
     killed_at = time.time()
-    job.groups[0].wait(timeout=10)  # reaped, as a launcher would: its lease is then provably free
-    first = job.wait_for("a step committed by the survivors", lambda: job.committed_after(killed_at))
-    stall = first["time"] - killed_at
-    # The replacement starts once the survivors' quorum without group 0 is recorded (not after a guessed delay).
+    first.wait(timeout=10)  # reaped, as a launcher would: its lease is then provably free
+    # The survivors' first commit without group 0 records their quorum; the replacement starts then (not after
+    # a guessed delay).
     job.wait_for("the quorum without group 0", lambda: any(r.get("left") == [0] for r in job.records()))
     started = time.time()
-    job.start_group(0)
+    gate.touch()
     joined = job.wait_for(
         "the replacement back in the quorum",
         lambda: next(
@@ -162,6 +171,7 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     records = job.records()
     quorums = [r for r in records if r.get("event") == "quorum"]
     shrink = next(r for r in quorums if r["left"] == [0])
+    stall = shrink["time"] - killed_at
     assert shrink["groups"] == [1, 2] and shrink["world_size"] == 2 and shrink["discarded_steps"] <= 1
     heals = [r for r in records if r.get("event") == "heal"]
     refused = [h for h in heals if not h["verified"]]
@@ -169,14 +179,18 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     for h in refused:  # ... and the same group healed from a verified state afterwards
         assert any(o["verified"] and o["replica_group"] == h["replica_group"] and o["time"] > h["time"] for o in heals)
 
-    # Exactly the fault-free run's samples, each step once, the global batch constant; the loss curve close.
+    # Exactly the fault-free run's samples, each step once, through both changes of writer (to group 1, then to
+    # the replacement, which healed mid-window); the global batch constant; the loss curve close.
     mine, theirs = certificate(job.run_dir), certificate(reference)
-    assert [c["step"] for c in mine] == list(range(1, STEPS + 1))
+    assert [c["step"] for c in mine] == list(range(4, STEPS + 1, 4))
     assert [(c["samples"], c["ids_crc32"]) for c in mine] == [(c["samples"], c["ids_crc32"]) for c in theirs]
     train = [r for r in records if r["kind"] == "train"]
     assert {r["global_batch_size"] for r in train} == {24}
     assert {r["world_size"] for r in train} >= {2, 3}
     assert [c["loss"] for c in mine] == pytest.approx([c["loss"] for c in theirs], rel=1e-4)
+    proof = run_ddptrain(["verify-resume", str(job.run_dir), "--steps", "8"], timeout=120)
+    assert proof.returncode == 0, proof.stdout + proof.stderr[-2000:]
+    assert f"hold the samples of steps 1..{STEPS} exactly once each" in proof.stdout
     print(
         f"MEASURED in-place: kill->next commit {stall:.2f} s, discarded {shrink['discarded_steps']}, "
         f"replacement start->full membership {joined['time'] - started:.2f} s, "

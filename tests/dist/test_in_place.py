@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
+from helpers import HELD_BACK, env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("torchft")
@@ -111,18 +111,6 @@ def test_without_torchft_installed_the_mode_says_which_extra(tmp_path: Path) -> 
     done = run_ddptrain(["train", *TOY, f"run.dir={tmp_path / 'run'}"], env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "pip install 'ddptrain[ft]'" in one_error_line(done)
-
-
-# `python -m ddptrain ARGS` once the file argv[1] exists, with its imports done before: a start that takes no time.
-HELD_BACK = """
-import pathlib, runpy, sys, time
-import ddptrain.cli, ddptrain.run
-gate = pathlib.Path(sys.argv.pop(1))
-while not gate.exists():
-    time.sleep(0.05)
-sys.argv[0] = "ddptrain"
-runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
-"""
 
 
 def run_groups(tmp_path: Path, commands: list[tuple[list[str], dict[str, str]]]) -> list[int]:

@@ -47,6 +47,10 @@ def test_replay_at_the_same_world_size_is_bit_identical(trained: Path) -> None:
         "identical: logged steps 25, 30: sample ids, 4 parameter and 12 optimizer-state digests and losses are "
         "bit-identical" in proc.stdout
     ), proc.stdout
+    # The run's records hold every committed step's samples once (8 windows of 5 steps x 32 samples).
+    assert "samples: the run's 8 logged steps hold the samples of steps 1..40 exactly once each (1280 samples" in (
+        proc.stdout
+    )
     print(proc.stdout)
 
 

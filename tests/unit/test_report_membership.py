@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,12 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from ddptrain.cli import main
-from ddptrain.review.membership import step_goodput
+from ddptrain.errors import DataError
+from ddptrain.review.groups import in_place_groups
+from ddptrain.review.membership import membership_lines, step_goodput
+from ddptrain.review.records import read_records
+from ddptrain.review.report import summarize
+from ddptrain.review.story import tell
 
 T0 = 1_800_000_000.0
 STEP_S = 0.5
@@ -81,12 +87,120 @@ def test_report_of_an_in_place_run_draws_the_membership_and_its_goodput(
     assert "heals: 1 verified (median 0.100 s, 100.0 MB/s), 1 refused" in out
     # 39 steps after the first, each 0.5 s, in 39 x 0.5 + 1.4 s of wall time
     assert f"goodput (committed steps): {100 * 19.5 / 20.9:.1f}% (39 steps x 0.500 s median step in 20.9 s)" in out
-    assert "1 attempt(s)" in out  # the replacement's resume is a group rejoining, not a restart of the run
+    assert "3 replica group(s) in place" in out  # the replacement's resume is a group rejoining, not a new attempt
     assert "steps re-done" not in out
     png = run_dir / "report" / "membership.png"
     with Image.open(png) as img:
         img.verify()
     assert str(png) in out
+
+
+def four_kills() -> list[dict[str, Any]]:
+    """3 groups under `ddptrain launch` (each group's restarts counted by its launcher), 40 steps: group 0 killed and
+    seen leaving at step 9, restarted, back at 12; group 1 killed and restarted before the others committed a step
+    without it (2 steps discarded, no change of membership); group 2 evicted at step 20 (it stopped answering) and
+    back at 24 in the same process; group 2 killed at step 31 for good. Groups 0 and 1 complete."""
+    out = [
+        event("start", T0 - 1, step=0, world_size=1, restart_count=0, host="node", replica_group=g) for g in (0, 1, 2)
+    ]
+    quorums = {
+        1: ([0, 1, 2], [], [], 0),
+        9: ([1, 2], [], [0], 1),
+        12: ([0, 1, 2], [0], [], 0),
+        16: ([0, 1, 2], [], [], 2),
+        20: ([0, 1], [], [2], 0),
+        24: ([0, 1, 2], [2], [], 0),
+        31: ([0, 1], [], [2], 1),
+    }
+    restarts = {11: (0, 5), 15: (1, 10)}  # step -> (group, checkpoint it resumed from)
+    t, size = T0, 3
+    for step in range(1, 41):
+        if step in restarts:
+            g, resumed = restarts[step]
+            out.append(event("resume", t, step=resumed, world_size=1, restart_count=1, host="node", replica_group=g))
+        if step in quorums:
+            groups, joined, left, discarded = quorums[step]
+            size = len(groups)
+            q = {"groups": groups, "joined": joined, "left": left, "discarded_steps": discarded}
+            out.append(event("quorum", t, step=step, world_size=size, **q))
+        out.append(train(step, t, size))
+        t += STEP_S
+    out += [event("completed", t, step=40, exit_code=0, replica_group=g) for g in (0, 1)]
+    return out
+
+
+def summary_of(run_dir: Path) -> str:
+    """The report's summary.txt, without the plots (main(["report"]) draws them: the test above)."""
+    records, truncated = read_records(run_dir / "metrics.jsonl")
+    story = tell(records, finished=True)
+    return summarize(run_dir, records, truncated, story, in_place_groups(records, story))
+
+
+def test_report_of_an_in_place_run_lists_group_failures_restarts_and_evictions(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, four_kills())
+    (run_dir / "config.yaml").write_text("train:\n  max_steps: 40\n")
+    out = summary_of(run_dir)
+    assert "status: finished (40 steps)" in out
+    assert "steps: 40 (world size 3 -> 2 -> 3 -> 2 -> 3 -> 2, global batch 48; 3 replica group(s) in place)" in out
+    assert (
+        "replica groups: 3 (0, 1, 2); 3 failure(s), 2 restart(s), 1 eviction(s); last processes: group 0 completed, "
+        "group 1 completed; no end record from group(s) 2 (killed, or still running)"
+    ) in out
+    assert "job (in-place, one attempt): completed at step 40 (exit 0)" in out
+    assert "attempts:" not in out
+    events = [line.split("step", 1)[1].strip() for line in out.splitlines() if line.startswith("  ") and "UTC" in line]
+    group_events = [e for e in events if "group" in e.split(":")[0]]
+    assert group_events == [
+        "9  group failed: replica group 0 failed",
+        "5  group restart: replica group 0 started again (restart 1 of its launcher) after a failure, from step 5",
+        "12  group joined: replica group 0 joined; 3 ranks",
+        "10  group failed: replica group 1 failed (its steps were discarded)",
+        "10  group restart: replica group 1 started again (restart 1 of its launcher) after a failure, from step 10",
+        "20  group evicted: replica group 2 stopped answering",
+        "24  group joined: replica group 2 rejoined without a restart (it had been evicted); 3 ranks",
+        "31  group failed: replica group 2 failed and did not come back",
+    ]
+    assert [e for e in events if e.split()[1] == "world"] == [
+        "9  world size: world size 3 -> 2",
+        "12  world size: world size 2 -> 3",
+        "20  world size: world size 3 -> 2",
+        "24  world size: world size 2 -> 3",
+        "31  world size: world size 3 -> 2",
+    ]
+
+
+VALUES = st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3) | st.lists(st.integers(-1, 3), max_size=3)
+KEYS = ["replica_group", "restart_count", "groups", "joined", "left", "world_size", "step", "event"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    make=st.sampled_from([four_kills, in_place_records]),
+    key=st.sampled_from([*KEYS, "seconds", "verified", "bytes_per_s", "discarded_steps"]),
+    value=VALUES | st.lists(VALUES, max_size=2),
+    drop=st.booleans(),
+    data=st.data(),
+)
+def test_mutated_group_records_report_or_name_their_line(
+    make: Any, key: str, value: Any, drop: bool, data: st.DataObject
+) -> None:
+    """Any field of the groups' records (starts, quorums, heals, ends) with another value or type: the groups are
+    told, or the line is named (exit 2 in the command), never a traceback."""
+    records = make()
+    index = data.draw(st.sampled_from([i for i, r in enumerate(records) if r["kind"] == "event"]), label="record")
+    if drop:
+        records[index].pop(key, None)
+    else:
+        records[index][key] = value
+    with tempfile.TemporaryDirectory() as folder:
+        run_dir = write_run(Path(folder), records)
+        try:
+            kept, _ = read_records(run_dir / "metrics.jsonl")
+        except DataError as e:
+            assert f"line {index + 1} is malformed" in str(e), e
+            return
+        summary_of(run_dir)
+        membership_lines(kept)
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from helpers import write_run_records
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ddptrain.cli import main
 from ddptrain.review.report import EVENT_STYLE, event_marks, read_records
@@ -206,3 +208,35 @@ def test_summary_says_interrupted_and_each_kind_has_its_own_mark(
     assert len({(marks[k].colour, marks[k].marker) for k in endings}) == len(endings)  # all different
     assert len({EVENT_STYLE[k][:1] + EVENT_STYLE[k][2:] for k in EVENT_STYLE}) == len(EVENT_STYLE)
     assert (tmp_path / "report" / "loss.png").stat().st_size > 10_000
+
+
+def _start(step: int, t: float) -> dict[str, object]:
+    return {"kind": "event", "time": t, "event": "start" if step == 0 else "resume", "step": step, "world_size": 1}
+
+
+@given(every=st.integers(1, 20), resumed=st.integers(0, 200), ahead=st.integers(1, 60), recorded=st.booleans())
+def test_the_steps_re_done_are_those_past_the_resume_step_up_to_the_crash(
+    every: int, resumed: int, ahead: int, recorded: bool
+) -> None:
+    """A crash at step `resumed + ahead` (with its end record, or killed: its last record tells the step), resumed
+    from the checkpoint at `resumed`: every step after `resumed` that the crashed attempt trained is re-done, logged
+    or not."""
+    crash = resumed + ahead
+    first = [_train(s, float(s), 1) for s in range(every, crash + 1, every)]
+    end = [_end("crashed", crash, crash + 0.5, exit_code=1, error="boom")] if recorded else []
+    records = [_start(0, 0.0), *first, *end, _start(resumed, 1000.0), _train(crash + every, 1001.0, 1)]
+    story = tell(records, finished=False)
+    steps = list(range(every, crash + 1, every))
+    reached = crash if recorded else max(steps, default=0)
+    assert story.redone_steps == max(reached - resumed, 0)
+    # Their time at _train's 1 s a step; the logged steps up to the resume step are productive (a log window across
+    # it counts on both sides), and so is the resumed attempt's window.
+    assert story.redone_s == pytest.approx(story.redone_steps if steps else 0.0)
+    assert story.productive_s == pytest.approx(min(resumed, max(steps, default=0)) + ahead + every)
+
+
+def test_the_issue_s_crash_at_88_resumed_from_75_re_did_13_steps() -> None:
+    # It logged every 10 steps: its last record after 75 was step 80, which once made it "5 steps re-done".
+    first = [_train(s, float(s), 1) for s in range(10, 81, 10)]
+    records = [_start(0, 0.0), *first, _end("crashed", 88, 88.5, exit_code=1), _start(75, 100.0)]
+    assert tell(records, finished=False).redone_steps == 13

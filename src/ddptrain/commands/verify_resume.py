@@ -3,7 +3,9 @@
 Replays K steps from one of the run's checkpoints in a scratch folder (RUN_DIR/verify-resume/from-STEP,
 a run folder of its own with its own lease: the run's folder and lease are only read) and
 compares, at every step the run logged, the replay's certificate (observe/certificate.py) with
-the run's first record of that step (the uninterrupted run, when the run was resumed after a crash):
+the run's first record of that step (the uninterrupted run, when the run was resumed after a crash),
+and checks that those records hold every committed step's samples exactly once (`coverage`: in any
+mode, the in-place one included, whichever group wrote each record):
 
 * the same world size as the logged run: everything must be bit-identical (sample ids, every
   parameter and optimizer-state digest, exact as the replica check's (observe/digest.py), the loss); the first step and tensor that differ is named.
@@ -22,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddptrain import run
 from ddptrain.checkpoint.manifest import step_of
 from ddptrain.checkpoint.store import committed_checkpoints, search, select_checkpoint
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.cli_options import REQUIRED, option
+from ddptrain.data.sampler import DataPosition
 from ddptrain.dist import all_reduce_mean
 from ddptrain.errors import CheckpointError, UserError
-from ddptrain.observe.certificate import certificate_record, read_certificate
+from ddptrain.observe.certificate import certificate_record, coverage_gap, read_certificate
 from ddptrain.observe.runlog import run_logging
 from ddptrain.run_folder import (
     certificate_file,
@@ -195,12 +196,28 @@ def verify_resume(options: VerifyResumeOptions) -> int:
         if not ctx.is_main:
             return 0
         outcome = judge(logged, replayed, ctx.world_size)
+        covered = coverage(logged, the_run.trainer.sampler)
         print(
             f"verify-resume: replayed steps {first + 1}..{the_run.trainer.step} from {ckpt.path} (saved at world size "
             f"{ckpt.manifest.world_size}) at world size {ctx.world_size}, in {scratch}"
         )
         print(outcome.text)
-        return 0 if outcome.identical else 1
+        print(covered.text)
+        return 0 if outcome.identical and covered.identical else 1
+
+
+def coverage(logged: dict[int, list[dict[str, Any]]], sampler: DataPosition) -> Outcome:
+    """Whether the run's records hold every committed step's samples exactly once (certificate.coverage_gap)."""
+    batch = sampler.global_batch_size
+    gap = coverage_gap(logged, batch, sampler.steps_per_epoch * batch)
+    last = max(logged)
+    if gap is not None:
+        return Outcome(False, f"samples lost or repeated: {gap}")
+    return Outcome(
+        True,
+        f"samples: the run's {len(logged)} logged steps hold the samples of steps 1..{last} exactly once each "
+        f"({last * batch} samples: none lost, none repeated)",
+    )
 
 
 def _no_certificate(run_dir: Path) -> str:
@@ -224,18 +241,15 @@ def _replay(the_run: run.Run, until: int, log_every: int) -> list[dict[str, Any]
     until = min(until, t.cfg.train.max_steps)
     if isinstance(t.scheduler, PlannedSchedule):
         t.scheduler.follow(config_plan(t.cfg))  # as Trainer.fit does
-    window = torch.zeros((), device=ctx.device)
-    window_steps = 0
+    window = t.window  # what the checkpoint carried of its log window: the replay logs the run's windows
     records = []
     while t.step < until:
         result = t.train_step()
-        window += result.loss
-        window_steps += 1
+        window.add(result.loss, result.seconds)
         if t.step % log_every == 0 or t.step == t.cfg.train.max_steps:
-            loss = float(all_reduce_mean(ctx, window / window_steps))
+            loss = float(all_reduce_mean(ctx, window.loss / window.steps))
             records.append(
-                certificate_record(t.step, loss, ctx.world_size, t.model, t.optimizer, t.sampler, window_steps)
+                certificate_record(t.step, loss, ctx.world_size, t.model, t.optimizer, t.sampler, window.steps)
             )
-            window.zero_()
-            window_steps = 0
+            window.reset()
     return records

@@ -165,3 +165,35 @@ def read_certificate(path: Path) -> dict[int, list[dict[str, Any]]]:
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             out.setdefault(record["step"], []).append(record)
     return out
+
+
+def _spans(record: dict[str, Any], per_epoch: int) -> list[tuple[int, int]]:
+    """A record's sample segments as [from, to) positions in the whole stream (pass `epoch` starts at epoch x
+    per_epoch)."""
+    return [(e * per_epoch + start, e * per_epoch + end) for e, start, end in record["samples"]]
+
+
+def coverage_gap(logged: dict[int, list[dict[str, Any]]], global_batch: int, per_epoch: int) -> str | None:
+    """None when the records of each logged step (the first, when a resumed run logged a step again) hold every
+    committed step's samples exactly once, steps 1 to the last logged one; else the first step whose samples
+    are missing or repeated.
+
+    Step k consumes positions [(k-1) x global_batch, k x global_batch) of the stream (a pass holds per_epoch
+    positions), so the record of logged step s, after logged step p, must hold exactly [p x B, s x B).
+    """
+    previous = 0
+    for step in sorted(logged):
+        record = logged[step][0]
+        want, spans = previous * global_batch, _spans(record, per_epoch)
+        for start, end in spans:
+            if start != want:
+                lost = start > want
+                first = want // global_batch + 1 if lost else start // global_batch + 1
+                last = start // global_batch if lost else want // global_batch
+                what = "in no record" if lost else "also in the record of an earlier step"
+                return f"the samples of step(s) {first}..{last} are {what} (the record of step {step} holds {spans})"
+            want = end
+        if want != step * global_batch:
+            return f"the record of step {step} ends at stream position {want}, not {step * global_batch}"
+        previous = step
+    return None

@@ -47,6 +47,9 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "number": ("a number", is_number),
     "value": ("a number or text", lambda v: is_number(v) or isinstance(v, str)),  # non-finite values are text
     "numbers": ("a list of numbers", lambda v: isinstance(v, list) and all(map(is_number, v))),
+    "ints": ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "number or null": ("a number or null", lambda v: v is None or is_number(v)),
     "text": ("text", lambda v: isinstance(v, str)),
     "phases": ("a list of [name, seconds] pairs", _is_phases),
 }
@@ -58,6 +61,14 @@ _REQUIRED = {
     "eval": {"step": "int", "val_loss": "value"},
     "ranks": {"step": "int", "local_step_s": "numbers"},
     "event": {"event": "text", "step": "int"},
+}
+# The in-place mode's events (review/membership.py, review/groups.py read every field).
+_REQUIRED_EVENTS = {
+    "quorum": {
+        **dict.fromkeys(("groups", "joined", "left"), "ints"),
+        **dict.fromkeys(("world_size", "discarded_steps"), "int"),
+    },
+    "heal": {"replica_group": "int", "seconds": "number", "verified": "bool"},
 }
 _ANY_KIND = {"time": "time", "step": "int", "world_size": "int"}
 _OPTIONAL = {
@@ -71,6 +82,8 @@ _OPTIONAL = {
         **dict.fromkeys(("blocked_s", "total_s", "waited_s"), "number"),
         "exit_code": "int",
         "phases": "phases",
+        **dict.fromkeys(("replica_group", "restart_count"), "int"),  # in-place (review/groups.py)
+        "bytes_per_s": "number or null",
     },
 }
 
@@ -80,7 +93,8 @@ def check_record(record: Any) -> None:
     if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
         raise ValueError("not a metrics record (a JSON object with a text 'kind')")
     kind = record["kind"]
-    for key, check in _REQUIRED.get(kind, {}).items():
+    required = _REQUIRED.get(kind, {}) | (_REQUIRED_EVENTS.get(str(record.get("event")), {}) if kind == "event" else {})
+    for key, check in required.items():
         what, ok = _CHECKS[check]
         if not ok(record.get(key)):
             raise ValueError(f"a {kind!r} record without a valid {key!r}: not {what} (got {record.get(key)!r:.80})")

@@ -7,8 +7,8 @@ metric-<name>.png per metric of your own (train/custom_metrics.py: the names a t
 `custom_metrics`, and the val_<name> of evaluations). A run that was
 restarted is told as one story (review/story.py): records of abandoned attempts are dropped,
 restarts, resumes, world-size changes, skipped steps, failed saves and how each attempt ended
-(completed, finished early, interrupted, preempted, stopped, crashed: observe/endings.py) are marked on every
-plot, each kind in a colour and marker of its own with a legend, and listed with their times;
+(completed, finished early, interrupted, preempted, stopped, crashed: observe/endings.py), or an in-place job's
+group failures, restarts and evictions (review/groups.py), are marked on every plot, each kind in a colour and marker of its own with a legend, and listed with their times;
 throughput is given per world-size segment, and the goodput figure shows where the wall time went.
 """
 
@@ -33,6 +33,7 @@ from ddptrain.review.diagnostic_events import (  # noqa: E402
     draw_diagnostic_events,
     summarize_diagnostic_events,
 )
+from ddptrain.review.groups import GroupStory, group_lines, in_place_groups  # noqa: E402
 from ddptrain.review.membership import membership_report  # noqa: E402
 from ddptrain.review.records import PHASES, read_records  # noqa: E402
 from ddptrain.review.story import Goodput, Story, goodput, tell  # noqa: E402
@@ -64,6 +65,12 @@ EVENT_STYLE = {
     "world size": ("tab:purple", "-", "D"),
     "skipped steps": ("tab:brown", ":", "o"),
     "save failed": ("black", "--", "x"),
+    # an in-place job's replica groups (review/groups.py)
+    "group failed": ("firebrick", "-", "X"),
+    "group evicted": ("darkorange", "-", "x"),
+    "group restart": ("seagreen", "--", "v"),
+    "group joined": ("tab:blue", ":", "^"),
+    "group left": ("tab:gray", ":", "v"),
 }
 _OTHER_STYLE = ("grey", ":", ".")
 
@@ -113,10 +120,7 @@ class RunInfo:
 
 
 def _run_info(run_dir: Path, story: Story) -> RunInfo:
-    sizes: list[int] = []
-    for attempt in story.attempts:
-        if attempt.world_size is not None and (not sizes or sizes[-1] != attempt.world_size):
-            sizes.append(attempt.world_size)
+    sizes = [ws for ws, *_ in segments(story)]  # the ranks of the steps (in the in-place mode: all groups')
     train = _of(story.kept, "train")
     name = run_dir.name
     try:
@@ -380,8 +384,11 @@ def _checkpoint_lines(run_dir: Path, events: list[dict[str, Any]], ranks: list[d
     return lines
 
 
-def _attempt_lines(story: Story) -> list[str]:
-    """How each attempt ended, one line each (a crash without an end record says what may have killed it)."""
+def _attempt_lines(story: Story, groups: GroupStory | None) -> list[str]:
+    """How each attempt ended, one line each (a crash without an end record says what may have killed it); an
+    in-place job's groups: their failures, restarts and evictions, and how the job ended."""
+    if groups is not None:
+        return group_lines(groups, story.endings[-1].detail)
     lines = [f"attempts: {', '.join(e.kind for e in story.endings)}"]
     for i, (attempt, ending) in enumerate(zip(story.attempts, story.endings), 1):
         what = (
@@ -438,7 +445,9 @@ def _throughput_lines(story: Story, key: str) -> list[str]:
     return lines
 
 
-def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story) -> str:
+def summarize(
+    run_dir: Path, records: list[dict[str, Any]], truncated: bool, story: Story, groups: GroupStory | None = None
+) -> str:
     """The text summary: status, steps, losses, throughput per segment, goodput, events with times, checkpoints."""
     kept = story.kept
     train, evals, events, ranks = (_of(kept, k) for k in ("train", "eval", "event", "ranks"))
@@ -448,14 +457,14 @@ def summarize(run_dir: Path, records: list[dict[str, Any]], truncated: bool, sto
     info = _run_info(run_dir, story)
     sizes = " -> ".join(map(str, info.world_sizes)) or "?"
     cut_off = "; the last line was cut off mid-write" if truncated else ""
+    who = f"{len(groups.groups)} replica group(s) in place" if groups else f"{len(story.attempts)} attempt(s)"
     lines = [
         f"run: {info.name} ({run_dir})",
         f"status: {status}{cut_off}",
-        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; "
-        f"{len(story.attempts)} attempt(s))",
+        f"steps: {last['step']} (world size {sizes}, global batch {last.get('global_batch_size', '?')}; {who})",
         f"loss: {_num(train[0]['loss'])} at step {train[0]['step']} -> {_num(last['loss'])} at step {last['step']}",
     ]
-    lines += _attempt_lines(story)
+    lines += _attempt_lines(story, groups)
     val = [e for e in evals if isinstance(e.get("val_loss"), (int, float))]
     if val:
         best = min(val, key=lambda e: e["val_loss"])
@@ -494,7 +503,8 @@ def report(run_dir: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     max_steps = _max_steps(run_dir)
     last_train = _of(records, "train")[-1]["step"]
     story = tell(records, finished=max_steps is not None and last_train >= max_steps)
+    groups = in_place_groups(records, story)  # an in-place job: its groups' failures, restarts, evictions
     in_place, drawn = membership_report(records, out)  # in-place runs: quorum changes, heals, step goodput
-    summary = summarize(run_dir, records, truncated, story) + in_place
+    summary = summarize(run_dir, records, truncated, story, groups) + in_place
     write_text_replace(out / "summary.txt", summary + "\n")  # a link planted there is replaced, not followed
     return summary, [*plot_all(run_dir, story, out), *drawn, out / "summary.txt"]

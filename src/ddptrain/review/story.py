@@ -34,14 +34,21 @@ class Attempt:
 
     start: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
+    in_place: bool = False  # the whole in-place job: its start event is one replica group's
 
     @property
     def world_size(self) -> int | None:
-        """World size of this attempt (from its start event, else its first train record)."""
-        if "world_size" in self.start:
+        """World size of this attempt (from its start event, else its first train record; in the in-place mode the
+        ranks of its first step, all groups together: a start event counts one group's ranks)."""
+        if "world_size" in self.start and not self.in_place:
             return int(self.start["world_size"])
         train = [r for r in self.records if r["kind"] == "train"]
         return int(train[0]["world_size"]) if train and "world_size" in train[0] else None
+
+    def reached(self) -> int:
+        """The last step this attempt is known to have committed: its end record's (a crash records the step it
+        had reached), else its last record's."""
+        return max((int(r.get("step", 0)) for r in (self.start, *self.records)), default=0)
 
     def ending(self, finished: bool, last: bool) -> Ending:
         """How it ended (endings.ending_of): finished, the run reached max_steps; last, no later attempt."""
@@ -84,7 +91,7 @@ def split_attempts(records: list[dict[str, Any]]) -> list[Attempt]:
     in_place = any(r.get("event") == "quorum" for r in records)
     for r in records:
         if r["kind"] == "event" and r.get("event") in _STARTS and not (in_place and attempts):
-            attempts.append(Attempt(start=r))
+            attempts.append(Attempt(start=r, in_place=in_place))
         elif attempts:
             attempts[-1].records.append(r)
         else:
@@ -109,12 +116,12 @@ def tell(records: list[dict[str, Any]], finished: bool) -> Story:
         cut = attempts[i + 1].start.get("step") if i + 1 < len(attempts) else None
         first = int(attempt.start.get("step", 0))
         train = [r for r in attempt.records if r["kind"] == "train"]
-        if cut is not None:
-            dropped = [r for r in train if r["step"] > cut]
-            redone_steps += max(dropped[-1]["step"] - cut, 0) if dropped else 0
-            start_of_dropped = max([r["step"] for r in train if r["step"] <= cut], default=first)
-            redone_s += step_seconds(dropped, start_of_dropped)
-        productive_s += step_seconds([r for r in train if cut is None or r["step"] <= cut], first)
+        if cut is None:
+            productive_s += step_seconds(train, first)
+        else:
+            redone_steps += max(attempt.reached() - cut, 0)
+            kept_s, lost_s = _split_seconds(train, first, cut, attempt.reached())
+            productive_s, redone_s = productive_s + kept_s, redone_s + lost_s
         kept.append(attempt.start)
         kept += [r for r in attempt.records if cut is None or r["kind"] == "event" or r.get("step", 0) <= cut]
         if i > 0:
@@ -137,6 +144,21 @@ def tell(records: list[dict[str, Any]], finished: bool) -> Story:
         events.append(Event(ending.kind, ending.step, ending.time, f"attempt {i + 1} {ending.detail}"))
     events.sort(key=lambda e: (e.time, e.step))
     return Story(kept, attempts, events, endings, productive_s, redone_s, redone_steps)
+
+
+def _split_seconds(train: list[dict[str, Any]], first: int, cut: int, reached: int) -> tuple[float, float]:
+    """(productive, re-done) step time of an attempt whose steps after `cut` (the next attempt's resume step) were
+    re-done: each log window's steps on either side of the cut at its step time, and the steps it trained after
+    its last logged one, up to `reached`, at that window's step time."""
+    kept = redone = 0.0
+    previous = first
+    for r in train:
+        per_step = float(r.get("step_time_s", 0.0))
+        kept += per_step * max(min(r["step"], cut) - previous, 0)
+        redone += per_step * max(r["step"] - max(previous, cut), 0)
+        previous = max(r["step"], previous)
+    unlogged = reached - max(previous, cut)
+    return kept, redone + max(unlogged, 0) * (float(train[-1].get("step_time_s", 0.0)) if train else 0.0)
 
 
 def _events_of(attempt: Attempt, cut: int | None) -> list[Event]:

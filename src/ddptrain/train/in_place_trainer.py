@@ -101,6 +101,10 @@ class InPlaceTrainer(Trainer):
         """Leave the quorum: stop the Manager's server and threads."""
         self.session.close()
 
+    def event_fields(self) -> dict[str, Any]:
+        """This group's start, resume and end records name it (`ddptrain report` tells each group's story)."""
+        return {"replica_group": self.group_id}
+
     def live_state(self) -> dict[str, Any]:
         """What a donor sends a joining group: the whole training state, data position included, and who took part
         in the last step (so that a joiner that comes to write the folder reports the next change right)."""
@@ -281,12 +285,17 @@ class InPlaceTrainer(Trainer):
         self.record_own("heal", **record)
 
     def record_own(self, event: str, **fields: Any) -> None:
-        """An event of this group's own (a heal, a failed quorum): written whichever group writes the rest."""
+        """An event of this group's own (a heal, a failed quorum, how it ends): written whichever group writes the
+        rest."""
         was, self.metrics.enabled = self.metrics.enabled, self.ctx.is_main
         try:
-            self.metrics.write("event", event=event, step=self.step, replica_group=self.group_id, **fields)
+            self.metrics.write("event", **{"event": event, "step": self.step, **fields, **self.event_fields()})
         finally:
             self.metrics.enabled = was
+
+    def record_end(self, record: dict[str, Any]) -> None:
+        """Every group records how its process ends, naming itself (`ddptrain report` tells each group's story)."""
+        self.record_own(**record)
 
     def fit(self, stop_request: StopRequest | None = None, timeline: RecoveryTimeline | None = None) -> None:
         """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""
@@ -306,6 +315,11 @@ class InPlaceTrainer(Trainer):
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The logged loss is already the mean over every rank of the step (step_sum)."""
         return float(value)
+
+    def per_rank(self, value: torch.Tensor) -> list[float]:
+        """The window's loss is the job's, the same on every rank (step_sum): no collective (a donor's live state is
+        read on torchft's quorum thread)."""
+        return [float(value)]
 
     def save_checkpoint(self) -> None:
         """The writing group saves (every group holds the same state after a commit)."""

@@ -79,6 +79,7 @@ def resume_or_start(
         grad_accum=trainer.accum,
         restart_count=restarts,
         host=ctx.hostname,
+        **trainer.event_fields(),
     )
 
 

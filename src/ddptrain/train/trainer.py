@@ -30,7 +30,7 @@ from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
 from ddptrain.data.mixture import SOURCE_VAL_LOSS, MixtureValidation
-from ddptrain.dist import DistContext, all_reduce_mean
+from ddptrain.dist import DistContext, all_gather_object, all_reduce_mean
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -42,6 +42,7 @@ from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
 from ddptrain.train.evaluation import Evaluation, eval_samples, evaluate_loss, measured_forward
 from ddptrain.train.hooks import Hooks, Observers
+from ddptrain.train.log_window import LogWindow
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.parallel import by_name, is_sharded, load_full_state, local_norm, set_gradient_sync, unwrap_model
 from ddptrain.train.precision import NonFiniteSteps, Precision
@@ -101,6 +102,7 @@ class Trainer:
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
         self.step = 0
+        self.window = LogWindow(ctx.device)  # the steps since the last logged one (saved with the state)
         self.world_size = ctx.world_size  # the ranks that took part in the last step
         self.last_loss: float | None = None  # what the last logged window and evaluation measured
         self.last_val_loss: float | None = None
@@ -117,6 +119,15 @@ class Trainer:
 
     def close(self) -> None:
         """Release what the trainer holds beyond the run's parts: nothing here (the in-place mode: its Manager)."""
+
+    def event_fields(self) -> dict[str, Any]:
+        """What the start and end records of this process say about who wrote them: nothing more here (the
+        in-place mode: its replica group)."""
+        return {}
+
+    def record_end(self, record: dict[str, Any]) -> None:
+        """Write how this attempt ends (observe/endings.py's end record) into metrics.jsonl."""
+        self.metrics.write("event", **record, **self.event_fields())
 
     def logs_at(self, step: int) -> bool:
         """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
@@ -232,6 +243,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "world_size": self.ctx.world_size,
                 "early_stop": self.early_stop.state_dict() if self.early_stop is not None else None,
+                "log_window": self.window.state_dict(self.per_rank),
             },
         }
 
@@ -251,6 +263,8 @@ class Trainer:
         self.sampler.load_state_dict(t["sampler"])
         if self.early_stop is not None and t.get("early_stop"):  # older checkpoints have none
             self.early_stop.load_state_dict(t["early_stop"])
+        # Older checkpoints have none: an empty window.
+        self.window.load_state_dict(t.get("log_window"), self.ctx.rank, self.ctx.world_size)
         self._batches = None
 
     def save_checkpoint(self) -> None:
@@ -288,8 +302,6 @@ class Trainer:
             at_floor = self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
             if at_floor is not None:
                 log.warning(at_floor)
-        window_loss = torch.zeros((), device=self.ctx.device)
-        window_steps, window_time = 0, 0.0
         if self.early_stop is not None and self.early_stop.stopped:  # resumed from the checkpoint it stopped at
             self.stopped_because = self.early_stop_reason()
             return
@@ -304,14 +316,12 @@ class Trainer:
             self.observers.step_trained(self.step)
             if agreed == LEASE_LOST:  # at once: nothing of this step is logged or saved
                 raise self._lease_lost(stop_request)
-            window_loss += result.loss
-            window_steps += 1
-            window_time += result.seconds
+            self.window.add(result.loss, result.seconds)
             last = self.step == cfg.train.max_steps
             if self.logs_at(self.step):
-                self.log_train(window_loss / window_steps, window_steps, window_time, result.grad_norm)
-                window_loss.zero_()
-                window_steps, window_time = 0, 0.0
+                w = self.window
+                self.log_train(w.loss / w.steps, w.steps, w.seconds, result.grad_norm)
+                w.reset()
             self.observers.step_ended(self.step)
             verdict = self.evaluate_and_save(agreed, last)
             # The same verdict on every rank: an agreed hook stop, or a judgement of all-reduced evaluations.
@@ -391,7 +401,7 @@ class Trainer:
         if skipped:
             record["skipped_steps"] = skipped
             log.warning("%d step(s) skipped for a non-finite gradient up to step %d", skipped, self.step)
-        custom = self.custom.take(self.ctx, steps)
+        custom = self.custom.take(self.ctx, max(self.window.trained, 1))  # the steps its sums cover
         merge_metrics(record, custom, self.custom.origin)
         if custom:
             record["custom_metrics"] = sorted(custom)  # how ddptrain report tells them from the built-in keys
@@ -406,6 +416,10 @@ class Trainer:
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The mean of a rank's logged value over the ranks of the step (a host read: logged steps only)."""
         return float(all_reduce_mean(self.ctx, value))
+
+    def per_rank(self, value: torch.Tensor) -> list[float]:
+        """Every rank's value of a scalar, in rank order (a collective: every rank calls it)."""
+        return [float(v) for v in all_gather_object(self.ctx, float(value))]
 
     def log_eval(self, verdict: Verdict) -> Verdict:
         """All ranks evaluate; rank 0 records val_loss and val_<name>; the hooks see the record and
