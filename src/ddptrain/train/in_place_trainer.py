@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.config import Config
+from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.models.loss import to_device
@@ -52,6 +54,16 @@ def check_in_place(cfg: Config) -> None:
         )
 
 
+def check_in_place_data(cfg: Config, train_set: Dataset[Any], pad_id: Callable[[], int]) -> None:
+    """ConfigError for data the in-place mode does not train, told by its first sample as the run's collate batches
+    it: called once the datasets are built and before anything is written into the run folder."""
+    if not hasattr(train_set, "__getitem__"):
+        raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
+    batch = build_collate(cfg.data, pad_id)([train_set[0]])
+    if isinstance(batch, Mapping) and "labels" in batch:
+        raise ConfigError("in-place fault tolerance does not weight a loss by answer tokens (SFT data) yet")
+
+
 def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
     """Micro-batches [lo, hi) of the global batch taken by rank `index` of `ranks` (as even as it gets)."""
     return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
@@ -73,9 +85,7 @@ class InPlaceTrainer(Trainer):
         session: InPlaceSession,
     ) -> None:
         super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
-        if not hasattr(train_set, "__getitem__"):
-            raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
-        self.train_set = train_set
+        self.train_set = train_set  # map-style: check_in_place_data refused any other before the folder was written
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
         self.session = session
@@ -86,7 +96,6 @@ class InPlaceTrainer(Trainer):
             # Under DDP the group's own sum is in the gradients only after backward.
             overlap=not isinstance(getattr(self.ddp, "_orig_mod", self.ddp), DDP),
         )
-        checkpointer.share_folder()  # the other groups' saves in progress are not stale
         self.recipe = recipe_fingerprint(cfg, checkpointer.identity)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
@@ -183,8 +192,6 @@ class InPlaceTrainer(Trainer):
         ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
         chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
         batches = [self.collate([self.train_set[i] for i in chunk]) for chunk in chunks]
-        if isinstance(batches[0], dict) and "labels" in batches[0]:
-            raise ConfigError("in-place fault tolerance does not weight a loss by answer tokens (SFT data) yet")
         return [to_device(batch, self.ctx.device) for batch in batches]
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
