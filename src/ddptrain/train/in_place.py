@@ -2,7 +2,9 @@
 
 Each step starts with a quorum from the Lighthouse (synchronous: the step's data split depends on who
 is in it). A group that is behind (a replacement) receives the live state from a peer during the quorum
-and checks it before it trains (`heal`). Gradients cross the groups in one fixed layout of buckets
+and checks it before it trains (`heal`); before a byte moves it reads the donor's recipe, and refuses a
+donor of another one by exiting 2 (train/in_place_transport.py). Each quorum says whether its membership
+is new to this group (`View.new`: the Trainer then admits it before its first step). Gradients cross the groups in one fixed layout of buckets
 (train/cross_group.py) through `cross_sum`, whose errors are reported to the Manager, never raised: a
 peer dying mid all-reduce makes
 `should_commit()` discard the step instead of crashing the survivors (torchft's own DDP comm hook asserts
