@@ -16,7 +16,7 @@ The recipe (recipe_of: what is trained) is checked twice before a group trains w
 group reads the donor's recipe before it receives a byte of its state (train/in_place_transport.py), and
 every new membership shows each group's recipe and standing in a sum before its first step (the in-place
 Trainer's `admit`). The job's recipe is that of the groups standing highest: those that trained in the job
-(a committed step in their process, or a verified heal in this quorum), then those resuming from a checkpoint
+(a committed step in their process, or a verified heal from the job), then those resuming from a checkpoint
 of the run folder saved with their own recipe, then the rest (the first quorum on a fresh folder); the most
 common among them, a tie going to the lowest-ranked group's. The state's fingerprint is shown on a step where
 the membership changed or a group healed. Values are 48-bit integers in float64 (exact).

@@ -108,7 +108,7 @@ class InPlaceTrainer(Trainer):
         )
         self.recipe = recipe_of(checkpointer.config, checkpointer.identity)
         self.resumed_recipe: str | None = None  # the recipe of the checkpoint this group resumed from
-        self.committed_any = False  # whether this process committed a step (then it trains in the job)
+        self.in_job = False  # whether this process committed a step or healed from the job (train/agreement.py)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
@@ -171,6 +171,7 @@ class InPlaceTrainer(Trainer):
         while True:
             view = self.session.quorum(self.step, self.waiting_for_quorum)
             if view.heal is not None:
+                self.in_job = self.in_job or view.heal.verified  # a donor of its recipe's state: the job's
                 self.record_heal(view)
             elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
                 self.record_own("quorum_failed", error=self.session.error_line())
@@ -189,7 +190,7 @@ class InPlaceTrainer(Trainer):
         if self.ctx.rank == 0:
             slots[view.rank] = self.group_id + 1
             slots[n + view.rank] = recipe_slot(self.recipe)
-            slots[2 * n + view.rank] = self.standing(view)
+            slots[2 * n + view.rank] = self.standing()
         summed = self.session.sum_over_all_ranks(slots)
         if summed is None:
             return False
@@ -202,9 +203,9 @@ class InPlaceTrainer(Trainer):
             return False
         return True
 
-    def standing(self, view: View) -> float:
+    def standing(self) -> float:
         """How this group's recipe weighs when the job's is chosen (train/agreement.py)."""
-        if self.committed_any or (view.heal is not None and view.heal.verified):
+        if self.in_job:
             return IN_JOB
         return FROM_FOLDER if self.resumed_recipe == self.recipe else NEW
 
@@ -310,7 +311,7 @@ class InPlaceTrainer(Trainer):
 
     def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
-        self.writer, self.committed_any = view.rank == 0, True
+        self.writer, self.in_job = view.rank == 0, True
         # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
         # rank 0 logs the steps (log_train), so only it writes the certificate.
         self.metrics.enabled = self.ctx.is_main and self.writer
