@@ -81,13 +81,13 @@ from ddptrain.observe.stragglers import StragglerMonitor
 from ddptrain.observe.trackers import build_sinks, require_packages
 from ddptrain.observe.triage import Triage
 from ddptrain.observe.watchdog import Budgets
-from ddptrain.run_folder import LEASE, checkpoints_dir, config_file, export_dir, report_dir, stacks_dir
+from ddptrain.run_folder import LEASE, checkpoints_dir, config_file, export_dir, group_lease, report_dir, stacks_dir
 from ddptrain.run_sources import ModelSource, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.hooks import Hooks
 from ddptrain.train.in_place import InPlaceSession
-from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place
+from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place, check_in_place_data
 from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, ReplicaGuard, replica_groups
@@ -265,7 +265,7 @@ def build_run(
         session.reach()  # a Lighthouse that does not answer is refused before anything is written
         trainer_cls, lease_name = (
             functools.partial(InPlaceTrainer, session=session),
-            f"{LEASE}.group{in_place.replica_group}",
+            group_lease(in_place.replica_group),
         )
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
@@ -275,7 +275,7 @@ def build_run(
     source = data_source(cfg.data, datasets)
     lease, tag = take_lease(run_dir, ctx, lease_name)
     try:
-        return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline)
+        return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline, in_place is not None)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -318,6 +318,7 @@ def _build(
     source: DataSource,
     trainer_cls: Callable[..., Trainer],
     timeline: RecoveryTimeline | None,
+    in_place: bool,
 ) -> Run:
     run_dir, (lease, tag) = cfg.run_dir, leased
     source.prepare(ctx, wait_s=cfg.dist.timeout_s / 2)
@@ -326,6 +327,8 @@ def _build(
     cfg = cfg.model_copy(update={"model": fit_vocab_to_data(cfg.model, data_vocab)})
     seed_everything(cfg.run.seed)
     train_set, val_set = source.datasets(Sampling.of(cfg))
+    if in_place:  # before anything is written: a refused group leaves the run folder as it was
+        check_in_place_data(cfg, train_set, source.pad_id)
     agree_on_data(ctx, source.identity(train_set, val_set))
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)

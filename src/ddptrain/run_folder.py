@@ -7,6 +7,7 @@
 | `certificate.jsonl` | observe/certificate.py (rank 0, logged steps) | verify-resume |
 | `trackers.json` | observe/trackers/state.py (rank 0) | the trackers at the next start |
 | `.lease` | checkpoint/lease.py (rank 0 holds it while training) | the next run on the folder (taken over once its owner is dead) |
+| `.lease.group<N>` | checkpoint/lease.py (replica group N's rank 0, in-place mode) | the other modes' runs (refused while it is live), stale temp folders' cleanup |
 | `checkpoints/` | checkpoint/ (the checkpointer) | resume, eval, export, generate, verify-resume, report, model.init_from |
 | `logs/rank-<r>.log` | observe/runlog.py (every rank) | people |
 | `stacks/` | the watchdog and hang triage (observe/triage.py, forensics.py), the replica check | `ddptrain triage` (review/verdict.py) |
@@ -22,6 +23,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,22 @@ from ddptrain.config_io import read_yaml_mapping
 from ddptrain.errors import ConfigError
 
 LEASE = ".lease"  # a lock file's name in the folder (ddptrain.lockfile takes a folder and a name)
+_GROUP_LEASE = re.compile(re.escape(LEASE) + r"\.group[0-9]{1,6}")
+
+
+def group_lease(group: int) -> str:
+    """The lease file's name of replica group `group` in the in-place mode (each group holds its own)."""
+    return f"{LEASE}.group{group}"
+
+
+def lease_files(run_dir: Path) -> tuple[Path | None, list[Path]]:
+    """The run lease (None when absent) and the replica groups' leases present in run.dir (sorted)."""
+    try:
+        names = sorted(entry.name for entry in run_dir.iterdir())
+    except OSError:
+        return None, []
+    groups = [run_dir / name for name in names if _GROUP_LEASE.fullmatch(name)]
+    return (run_dir / LEASE if LEASE in names else None), groups
 
 
 def config_file(folder: Path) -> Path:

@@ -233,12 +233,69 @@ def test_groups_dying_in_a_save_and_in_an_evaluation_leave_the_last_one_training
     assert any(e.get("event") == "checkpoint" and e["step"] == 20 for e in events)  # the survivor saved the end
 
 
+def assert_left_nothing(run_dir: Path, group: int, lr: str) -> None:
+    """The group of another recipe wrote nothing into the job's folder: no record, no log line, not its config."""
+    assert not [r for r in records(run_dir) if r.get("replica_group") == group]
+    assert [r["event"] for r in records(run_dir) if r.get("event") in ("start", "resume")] == ["start"]
+    assert f"lr: {lr}" not in (run_dir / "config.yaml").read_text()
+    assert f"replica group {group} trains another recipe" not in (run_dir / "logs" / "rank-0.log").read_text()
+    assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
+
+
 @pytest.mark.timeout(120)
-def test_a_group_started_with_another_recipe_exits_2_and_the_job_goes_on(lighthouse: str, tmp_path: Path) -> None:
+def test_groups_started_together_with_two_recipes_one_exits_2_before_healing_or_training(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """Whichever forms the first quorum (alone, or both: then group 0, the lowest-ranked) is the job; the other exits 2
+    in one line, at the heal it refuses or at the first quorum's admission, having written nothing."""
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
     codes = run_groups(tmp_path, [(argv, ft_env(0, lighthouse)), ([*argv, "train.lr=0.01"], ft_env(1, lighthouse))])
-    assert codes == [0, 2], (tmp_path / "group1.log").read_text()[-2000:]
-    said = (tmp_path / "group1.log").read_text()
-    assert "error: replica group 1 trains another recipe than groups [0]" in said
+    assert sorted(codes) == [0, 2], [(tmp_path / f"group{g}.log").read_text()[-2000:] for g in (0, 1)]
+    out, job = codes.index(2), codes.index(0)
+    said = (tmp_path / f"group{out}.log").read_text()
+    assert f"error: replica group {out} trains another recipe than groups [{job}], the job's" in said
     assert [r["step"] for r in records(run_dir) if r["kind"] == "train"] == list(range(1, 41))
+    assert not [e for e in records(run_dir) if e.get("event") == "heal"]  # nobody healed across the recipes
+    assert_left_nothing(run_dir, out, "0.01" if out == 1 else "0.003")
+
+
+@pytest.mark.timeout(150)
+def test_a_group_of_another_recipe_joining_a_training_job_is_refused_its_heal_and_leaves_nothing(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """Group 1 (another lr) joins once group 0 has trained: it would heal from group 0, reads group 0's recipe
+    first, receives nothing and exits 2; group 0 trains every step once, alone."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "ddptrain", "train", *TOY, "model.kwargs.step_sleep=0.1", f"run.dir={run_dir}"]
+    logs = {g: open(tmp_path / f"group{g}.log", "wb") for g in (0, 1)}
+    job = subprocess.Popen(argv, env=ft_env(0, lighthouse), stdout=logs[0], stderr=subprocess.STDOUT)
+    gate = tmp_path / "join-now"
+    other = subprocess.Popen(
+        [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:], "train.lr=0.01"],
+        env=ft_env(1, lighthouse),
+        stdout=logs[1],
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 90
+    while not any(r.get("step", 0) >= 3 for r in records(run_dir) if r["kind"] == "train"):
+        assert time.monotonic() < deadline and job.poll() is None, (tmp_path / "group0.log").read_text()[-3000:]
+        time.sleep(0.05)
+    gate.touch()
+    try:
+        assert other.wait(timeout=90) == 2, (tmp_path / "group1.log").read_text()[-3000:]
+        assert job.wait(timeout=90) == 0, (tmp_path / "group0.log").read_text()[-3000:]
+    finally:
+        for proc in (job, other):
+            proc.kill()
+        for f in logs.values():
+            f.close()
+    said = [line for line in (tmp_path / "group1.log").read_text().splitlines() if "error" in line]
+    assert said == [
+        "ddptrain train: error: replica group 1 trains another recipe than groups [0], the job's (model, train, optim, "
+        "schedule, data.micro_batch_size, run.seed or the data differ): it left before healing or training anything; "
+        "start it with the job's config"
+    ]
+    assert [r["step"] for r in records(run_dir) if r["kind"] == "train"] == list(range(1, 41))
+    assert all(e["groups"] == [0] for e in records(run_dir) if e.get("event") == "quorum")
+    assert_left_nothing(run_dir, 1, "0.01")

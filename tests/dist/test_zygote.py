@@ -12,10 +12,8 @@ import pytest
 from helpers import env_for_subprocess, run_ddptrain, start_ddptrain, use_zygote
 from toys import TINY
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(not use_zygote(), reason="DDPTRAIN_TEST_ZYGOTE=0: the commands start as interpreters"),
-]
+pytestmark = pytest.mark.dist
+zygote_only = pytest.mark.skipif(not use_zygote(), reason="DDPTRAIN_TEST_ZYGOTE=0: the commands start as interpreters")
 
 
 def fresh(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -24,6 +22,7 @@ def fresh(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subp
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env_for_subprocess(env), timeout=60)
 
 
+@zygote_only
 @pytest.mark.timeout(300)
 def test_a_forked_command_prints_and_exits_as_a_fresh_interpreter(tmp_path: Path) -> None:
     # A refused config, named relative to the working directory, and a user module found from it (as
@@ -42,6 +41,7 @@ def test_a_forked_command_prints_and_exits_as_a_fresh_interpreter(tmp_path: Path
     assert narrow == fresh(["--help"], tmp_path, {"COLUMNS": "40"}).stdout != run_ddptrain(["--help"]).stdout
 
 
+@zygote_only
 @pytest.mark.timeout(120)
 def test_a_forked_command_is_killed_at_its_timeout_and_takes_signals(tmp_path: Path, corpus_dir: Path) -> None:
     args = ["train", *TINY, f"data.dir={corpus_dir}", f"run.dir={tmp_path / 'run'}", "train.max_steps=100000"]

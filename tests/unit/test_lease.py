@@ -27,7 +27,7 @@ from ddptrain.cli import main
 from ddptrain.config import CkptConfig
 from ddptrain.dist import DistContext
 from ddptrain.lockfile import heartbeat_age
-from ddptrain.run_folder import LEASE
+from ddptrain.run_folder import LEASE, group_lease
 
 # The run is refused before any data or model is read: these need not exist.
 TINY_TOY = ["model.target=toy:build_model", "data.target=toy:build_datasets", "train.max_steps=2"]
@@ -328,3 +328,76 @@ def test_a_run_whose_lease_was_taken_commits_nothing(tmp_path: Path) -> None:
     assert ok.ok and ok.lease_lost is None
     assert not refused.ok and refused.lease_lost == who[0] and "took the run folder's lease" in (refused.error or "")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+# ---- one writer across the modes, and the dead writers' temp folders (issue 38, items 2 and 7) ---------------------
+
+
+def _plant_lease(run_dir: Path, name: str, **changes: object) -> str:
+    """A lease file `name` in run_dir naming this process (a live owner) unless changes say otherwise; its token."""
+    owner = replace(me(), **changes)  # type: ignore[arg-type]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / name).write_text(json.dumps(asdict(owner)))
+    return owner.token
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def test_a_plain_run_and_an_in_place_group_never_hold_one_folder_together(tmp_path: Path) -> None:
+    """Each mode's lease is refused while the other mode's is live, and let go again; a dead one does not count."""
+    group = RunLease(tmp_path, group_lease(0)).acquire()
+    try:
+        with pytest.raises(LeaseHeld, match=rf"in use by replica group 0 of another mode \(pid {os.getpid()} on "):
+            RunLease(tmp_path).acquire()
+        assert not (tmp_path / LEASE).exists()
+        RunLease(tmp_path, group_lease(1)).acquire().release()  # the same job's other groups are welcome
+    finally:
+        group.release()
+    plain = RunLease(tmp_path).acquire()
+    try:
+        with pytest.raises(LeaseHeld, match=rf"in use by a run of another mode \(pid {os.getpid()} on "):
+            RunLease(tmp_path, group_lease(3)).acquire()
+        assert not (tmp_path / group_lease(3)).exists()
+    finally:
+        plain.release()
+    _plant_lease(tmp_path, group_lease(2), pid=_dead_pid(), start="1")  # a group SIGKILLed long ago
+    RunLease(tmp_path).acquire().release()
+
+
+def test_ddptrain_train_on_a_live_in_place_jobs_folder_exits_2_naming_the_group_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    _plant_lease(run_dir, group_lease(4))  # this process: a live owner
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "rank-0.log").write_text("the job's lines\n")
+    before = folder_bytes(run_dir)
+    rc = main(["train", *TINY_TOY, f"run.dir={run_dir}"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, (rc, out, err)
+    assert lines[0].startswith(f"ddptrain train: error: run folder {run_dir} is in use by replica group 4 of another")
+    assert f"pid {os.getpid()} on " in lines[0]
+    assert folder_bytes(run_dir) == before
+
+
+def test_only_the_temp_folders_of_writers_holding_no_live_lease_are_removed(tmp_path: Path) -> None:
+    """A writer SIGKILLed mid-save leaves its temp folder: the next start removes it, and any of a writer that holds
+    no lease, but never a live replica group's save in progress, nor anything while a lease file is unreadable."""
+    live = _plant_lease(tmp_path, group_lease(1))
+    dead = _plant_lease(tmp_path, group_lease(2), pid=_dead_pid(), start="1")
+    ckpts = tmp_path / "checkpoints"
+    kept, killed, gone, untagged = (ckpts / f".tmp-step-00000003.{t}" for t in (live, dead, "cccc", ""))
+    for folder in (kept, killed, gone, untagged):
+        folder.mkdir(parents=True)
+        (folder / "model.pt").write_bytes(b"partial")
+    (tmp_path / group_lease(3)).write_text("not json")
+    _checkpointer(tmp_path, "aaaa")
+    assert all(f.is_dir() for f in (kept, killed, gone, untagged))  # an unreadable lease proves nobody dead
+    (tmp_path / group_lease(3)).unlink()
+    _checkpointer(tmp_path, "aaaa")
+    assert kept.is_dir() and not killed.exists() and not gone.exists() and not untagged.exists()

@@ -3,6 +3,7 @@ compares at start."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -90,6 +91,24 @@ class Augmented(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": torch.full((3,), float(i) + self.offset) + torch.rand(3), "y": torch.tensor(i % 2)}
+
+
+def test_held_metrics_reach_the_file_only_once_accepted_with_their_own_times(tmp_path: Path) -> None:
+    """An in-place group holds its records until its first quorum admits it: refused, it leaves the file as it was."""
+    refused = MetricsWriter(tmp_path, enabled=True)
+    refused.hold()
+    refused.write("event", event="start", step=0)
+    refused.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    admitted = MetricsWriter(tmp_path, enabled=True)
+    admitted.hold()
+    admitted.write("event", event="start", step=0)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    admitted.accept()
+    admitted.write("train", step=1)
+    admitted.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event", r["kind"]) for r in lines] == ["start", "train"] and lines[0]["time"] <= lines[1]["time"]
 
 
 def test_datasets_identity_is_reproducible_and_leaves_the_random_streams_alone() -> None:

@@ -45,6 +45,7 @@ from ddptrain.checkpoint.compat import ConfigChange, check_resume
 from ddptrain.checkpoint.durable import write_durable
 from ddptrain.checkpoint.formats.base import CheckpointFormat
 from ddptrain.checkpoint.formats.registry import checkpoint_format
+from ddptrain.checkpoint.lease import live_tokens
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     TMP_PREFIX,
@@ -73,6 +74,27 @@ class ResumePoint:
     changes: list[ConfigChange] = field(default_factory=list)
 
 
+def remove_stale_temps(folder: Path, tag: str) -> None:
+    """Remove the temp folders in `folder` whose writer holds no live lease on the run folder (never `tag`'s own).
+
+    Listed before the leases are read: a writer takes its lease before its first save, so a temp folder seen
+    here whose writer is alive has its token in a lease file read after. An unreadable lease file proves no
+    writer dead: then nothing is removed."""
+    temps = [entry for entry in folder.glob(f"{TMP_PREFIX}*") if not (tag and entry.name.endswith(f".{tag}"))]
+    if not temps:
+        return
+    live = live_tokens(folder.parent)
+    if live is None:
+        return
+    for stale in temps:
+        if stale.name.rsplit(".", 1)[-1] in live:
+            continue  # a live writer's save in progress (another replica group's)
+        if stale.is_symlink() or not stale.is_dir():
+            stale.unlink(missing_ok=True)  # a planted link: remove the link, never what it points at
+        else:
+            shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
+
+
 class Checkpointer:
     """Saves and finds checkpoints for one run; all ranks call setup(), then find_resume() and save() together.
 
@@ -99,7 +121,6 @@ class Checkpointer:
         self.ctx = ctx
         self.config = config
         self.identity = identity or {}
-        self.shared = False  # share_folder()
         # Alone (benchmarks, tests) a Checkpointer saves full, replicated state: ckpt.format as under DDP.
         self.writer = writer or checkpoint_format(cfg.format, "ddp")
         self.policy = SavePolicy(cfg)
@@ -113,32 +134,22 @@ class Checkpointer:
         self._best: tuple[int, dict[str, Any]] | None = None  # (step, detail) to mark once committed
 
     def setup(self) -> None:
-        """All ranks together: the checkpoint's own process group; rank 0 removes the other runs' temp folders.
+        """All ranks together: the checkpoint's own process group; rank 0 removes the temp folders of dead writers.
 
-        Run under the run folder's lease (run.build_run): every other tag belongs to a run that no longer
-        holds it: one that released it (its saves were over), or one judged dead by the lease's rule (its
-        pid gone on this host, its heartbeat stale, an earlier round of this job), which, if it is in fact
-        still running, commits nothing from then on (its commit re-reads the lease) and writes only into
-        its own temp folder.
+        A temp folder is a save in progress only while its writer holds a lease on the run folder (its tag is
+        the lease token; checkpoint/lease.py): every other one is the leftover of a writer that released its
+        lease (its saves were over) or died mid-save (a SIGKILL), or that was judged dead by the lease's rule
+        (its pid gone on this host, its heartbeat stale, an earlier round of this job), which, if it is in
+        fact still running, commits nothing from then on (its commit re-reads the lease) and writes only into
+        its own temp folder. The live writers' (other replica groups' in the in-place mode) are left alone.
         """
         # Saves coordinate on a gloo group of their own: an async save's collectives run in a
         # background thread and must never interleave with the training loop's.
         if self.ctx.is_distributed:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
         self.writer.bind(self._group)  # a format with collectives of its own runs them on this group
-        if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink() and not self.shared:
-            for stale in self.dir.glob(f"{TMP_PREFIX}*"):
-                if self.tag and stale.name.endswith(f".{self.tag}"):
-                    continue  # this run's own (none yet at start)
-                if stale.is_symlink() or not stale.is_dir():
-                    stale.unlink()  # a planted link: remove the link, never what it points at
-                else:
-                    shutil.rmtree(stale, ignore_errors=True)  # a save interrupted by a crash
-
-    def share_folder(self) -> None:
-        """Before setup(): several replica groups write this folder, each under a lease of its own (the in-place
-        mode), so another tag's temp folder may be a live group's save in progress: setup() leaves them."""
-        self.shared = True
+        if self.ctx.is_main and self.dir.is_dir() and not self.dir.is_symlink():
+            remove_stale_temps(self.dir, self.tag)
 
     # ---- the policy the Trainer asks ------------------------------------------------------
 

@@ -11,6 +11,13 @@ refused too (exit 2), never taken over: nothing proves its owner dead, and a liv
 never be taken from it. The line says how to clear it. ddptrain itself never leaves one (the file
 is always replaced whole).
 
+One writer per run folder across the modes: a plain run holds `.lease`, each replica group of the
+in-place mode its own `.lease.group<N>` (run_folder.py). Whoever takes one then looks at the other
+mode's: a live (or unreadable) one is refused the same way, after this lease is let go again. Two
+starting at once may both be refused; never both accepted (each takes its own before it looks).
+
+`live_tokens` names the writers a temp folder may still belong to (checkpointer.py removes the rest).
+
 A run whose lease was taken (it stalled past STALE_S and another host judged it dead, or someone
 edited or removed the file) learns it from its heartbeat thread (`lost`, `when_lost`) and before every
 commit (`taken_by`); it then stops writing into the folder and exits EXIT_LEASE_LOST (run.py, train/).
@@ -22,10 +29,20 @@ import time
 from pathlib import Path
 
 from ddptrain.errors import UserError
-from ddptrain.lockfile import HEARTBEAT_S, STALE_S, LockFile, Owner, UnreadableLock, me, read_owner
-from ddptrain.run_folder import LEASE
+from ddptrain.lockfile import (
+    HEARTBEAT_S,
+    STALE_S,
+    LockFile,
+    Owner,
+    UnreadableLock,
+    is_alive,
+    load_owner,
+    me,
+    read_owner,
+)
+from ddptrain.run_folder import LEASE, lease_files
 
-__all__ = ["HEARTBEAT_S", "STALE_S", "LeaseHeld", "Owner", "RunLease", "me", "read_owner"]
+__all__ = ["HEARTBEAT_S", "STALE_S", "LeaseHeld", "Owner", "RunLease", "live_tokens", "me", "read_owner"]
 
 
 class LeaseHeld(UserError):
@@ -57,6 +74,7 @@ class RunLease(LockFile):
                 time.sleep(0.2)
                 continue
             if taken:
+                self._refuse_the_other_mode()
                 return self
             if holder is not None:
                 raise LeaseHeld(
@@ -71,6 +89,28 @@ class RunLease(LockFile):
             )
         raise LeaseHeld(f"could not take the lease on {self.run_dir}: other runs keep taking it")
 
+    def _refuse_the_other_mode(self) -> None:
+        """Just taken: LeaseHeld (this lease let go again) when a run of the other mode holds the folder."""
+        plain, groups = lease_files(self.run_dir)
+        rivals = groups if self.name == LEASE else [plain] if plain is not None else []
+        for rival in rivals:
+            try:
+                holder = load_owner(rival)
+            except UnreadableLock as e:
+                self.release()
+                raise LeaseHeld(
+                    f"run folder {self.run_dir}: its lease file {rival} {e}, so another run may be training into "
+                    f"it; if none is, remove {rival} and start again"
+                ) from None
+            if holder is not None and is_alive(holder):
+                self.release()
+                who = "a run" if rival.name == LEASE else f"replica group {rival.name.rsplit('group', 1)[1]}"
+                raise LeaseHeld(
+                    f"run folder {self.run_dir} is in use by {who} of another mode ({holder.describe()}): one "
+                    "writer per folder; wait for it to end, or train into another folder (run.name=NEW_NAME or "
+                    "run.dir=...)"
+                )
+
     def lost_to(self) -> str | None:
         """Who took this lease, as the heartbeat thread saw it (no file read: asked every step)."""
         return self.lost
@@ -78,3 +118,18 @@ class RunLease(LockFile):
     def check_lost(self) -> str | None:
         """Read the lease file now (before a commit): who took it, or None while it is this run's."""
         return self.taken_by()
+
+
+def live_tokens(run_dir: Path) -> set[str] | None:
+    """The tokens of the live holders of run.dir's leases (every mode's): the writers whose temp folders may be
+    saves in progress. None when a lease file cannot be read: then nothing proves any writer dead."""
+    plain, groups = lease_files(run_dir)
+    tokens: set[str] = set()
+    for path in ([plain] if plain is not None else []) + groups:
+        try:
+            owner = load_owner(path)
+        except UnreadableLock:
+            return None
+        if owner is not None and is_alive(owner):
+            tokens.add(owner.token)
+    return tokens

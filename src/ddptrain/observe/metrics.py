@@ -42,6 +42,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.path = metrics_file(run_dir)
         self._file: IO[str] | None = None
+        self._held: list[dict[str, Any]] | None = None  # hold(): the records kept until accept()
         self.sinks = list(sinks) if enabled else []
         if not enabled:
             return
@@ -58,6 +59,26 @@ class MetricsWriter:
         if not self.enabled or self._file is None:
             return
         record = {"kind": kind, "time": round(time.time(), 3), **{k: _clean(v) for k, v in fields.items()}}
+        if self._held is not None:
+            self._held.append(record)
+        else:
+            self._emit(record)
+
+    def hold(self) -> None:
+        """Keep the records in memory from now on until accept(): a run not yet accepted (an in-place replica group
+        before its first quorum admits it) that is refused (exit 2) leaves metrics.jsonl and the trackers as they
+        were."""
+        self._held = []
+
+    def accept(self) -> None:
+        """Write the held records (with their own times), and every record from now on."""
+        held, self._held = self._held or [], None
+        for record in held:
+            self._emit(record)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         try:
             self._file.write(json.dumps(record) + "\n")
         except OSError as e:

@@ -10,11 +10,16 @@ request at the same step: one step after the step during which the first rank sa
 The flag lives in host memory and travels on a gloo group (the training group when the backend
 is gloo, a group of its own next to NCCL): reading it never waits for the accelerator.
 
-The replica groups of the in-place mode agree on their recipe and state as numbers the step's sum can carry.
+The replica groups of the in-place mode agree on their recipe and state as numbers a sum can carry.
 
-Each group's rank 0 puts its numbers in its slot of the step's sum (train/in_place_trainer.py), so every
-rank sees every group's: the recipe (what is trained) on every step; the state's fingerprint on a step
-where the membership changed or a group healed. Values are 48-bit integers in float64 (exact).
+The recipe (recipe_of: what is trained) is checked twice before a group trains with the others: a joining
+group reads the donor's recipe before it receives a byte of its state (train/in_place_transport.py), and
+every new membership shows each group's recipe and standing in a sum before its first step (the in-place
+Trainer's `admit`). The job's recipe is that of the groups standing highest: those that trained in the job
+(a committed step in their process, or a verified heal from the job), then those resuming from a checkpoint
+of the run folder saved with their own recipe, then the rest (the first quorum on a fresh folder); the most
+common among them, a tie going to the lowest-ranked group's. The state's fingerprint is shown on a step where
+the membership changed or a group healed. Values are 48-bit integers in float64 (exact).
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddptrain.config import Config
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.observe.digest import combine, named_state, state_digests
@@ -89,31 +93,47 @@ def _as_slot(value: int) -> float:
     return float(value & ((1 << _BITS) - 1))
 
 
-def recipe_fingerprint(cfg: Config, identity: dict[str, Any]) -> float:
-    """What must be the same in every group: the model, training and optimizer settings, the micro-batch, the seed,
-    and the run's identity (the data's content, the model's kind)."""
+IN_JOB, FROM_FOLDER, NEW = 2.0, 1.0, 0.0  # a group's standing when the job's recipe is chosen (module docstring)
+_RECIPE_PARTS = "model, train, optim, schedule, data.micro_batch_size, run.seed or the data"
+
+
+def recipe_of(config: dict[str, Any], identity: dict[str, Any]) -> str:
+    """SHA-256 (hex) of what must be the same in every group: the model, training and optimizer settings, the
+    micro-batch, the seed, and the run's identity (the data's content, the model's kind). config: the resolved
+    config as a checkpoint's manifest stores it; identity: the Checkpointer's (a manifest's)."""
+    data, run = config.get("data"), config.get("run")
     recipe = {
-        "sections": cfg.model_dump(mode="json", include={"model", "train", "optim", "schedule"}),
-        "micro": cfg.data.micro_batch_size,
-        "seed": cfg.run.seed,
+        "sections": {name: config.get(name) for name in ("model", "train", "optim", "schedule")},
+        "micro": data.get("micro_batch_size") if isinstance(data, dict) else None,
+        "seed": run.get("seed") if isinstance(run, dict) else None,
         "identity": identity,
     }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).digest()
-    return _as_slot(int.from_bytes(digest[:8], "big"))
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_recipe(recipes: list[float], groups: list[int], group: int, mine: float) -> list[int]:
-    """The groups (ids) whose recipe differs from most groups' (a tie: the lowest-ranked group's wins); ConfigError
-    (exit 2, one line) when this group is one of them."""
-    common = Counter(recipes).most_common(1)[0][0]
-    odd = [g for g, r in zip(groups, recipes, strict=True) if r != common]
-    if mine != common:
-        same = [g for g, r in zip(groups, recipes, strict=True) if r == common]
-        raise ConfigError(
-            f"replica group {group} trains another recipe than groups {same} (model, train, optim, schedule, "
-            "data.micro_batch_size, run.seed or the data differ): start it with the job's config"
-        )
-    return odd
+def recipe_slot(recipe: str) -> float:
+    """A recipe as a slot value of a sum."""
+    return _as_slot(int(recipe[:16], 16))
+
+
+def another_recipe(group: int, job: list[int]) -> ConfigError:
+    """The one line a group of another recipe than the job's exits with (exit 2)."""
+    return ConfigError(
+        f"replica group {group} trains another recipe than groups {job}, the job's ({_RECIPE_PARTS} differ): it "
+        "left before healing or training anything; start it with the job's config"
+    )
+
+
+def job_outsiders(
+    recipes: list[float], standings: list[float], groups: list[int], group: int, mine: float
+) -> list[int]:
+    """The groups (ids, in quorum order) whose recipe is not the job's (module docstring); another_recipe (a
+    ConfigError) when this group is one of them."""
+    top = max(standings)
+    job = Counter(r for r, s in zip(recipes, standings, strict=True) if s == top).most_common(1)[0][0]
+    if mine != job:
+        raise another_recipe(group, [g for g, r in zip(groups, recipes, strict=True) if r == job])
+    return [g for g, r in zip(groups, recipes, strict=True) if r != job]
 
 
 def state_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> float:

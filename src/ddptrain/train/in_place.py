@@ -2,7 +2,9 @@
 
 Each step starts with a quorum from the Lighthouse (synchronous: the step's data split depends on who
 is in it). A group that is behind (a replacement) receives the live state from a peer during the quorum
-and checks it before it trains (`heal`). Gradients cross the groups in one fixed layout of buckets
+and checks it before it trains (`heal`); before a byte moves it reads the donor's recipe, and refuses a
+donor of another one by exiting 2 (train/in_place_transport.py). Each quorum says whether its membership
+is new to this group (`View.new`: the Trainer then admits it before its first step). Gradients cross the groups in one fixed layout of buckets
 (train/cross_group.py) through `cross_sum`, whose errors are reported to the Manager, never raised: a
 peer dying mid all-reduce makes
 `should_commit()` discard the step instead of crashing the survivors (torchft's own DDP comm hook asserts
@@ -31,6 +33,7 @@ from ddptrain.dist import DistContext, broadcast_object, listening_store, probe_
 from ddptrain.endpoints import host_port
 from ddptrain.errors import LaunchError, UserError
 from ddptrain.ft_env import LIGHTHOUSE_ENV, FaultToleranceEnv, quiet_torchft
+from ddptrain.train.agreement import another_recipe
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class View:
     rank: int  # this group's rank among the participating groups
     groups: int  # participating groups
     heal: Heal | None  # set when this group healed in this quorum
+    new: bool = False  # the membership changed since this group's last quorum (its groups are admitted first)
 
 
 def tree_digest(state: Any) -> str:
@@ -168,6 +172,8 @@ class InPlaceSession:
         self._state_fn: StateFn | None = None
         self._load_fn: LoadFn | None = None
         self._heal: Heal | None = None
+        self._transport: Any = None  # train/in_place_transport.py: the recipe-checked heal transport
+        self._quorum_id: int | None = None  # the last quorum's id (torchft's: a new one for a new membership)
         self._reported = False  # this step was failed by report() (a check of ours), not by a collective
         self._drill = env.inject
 
@@ -187,14 +193,16 @@ class InPlaceSession:
                 f"({why}); start it with `ddptrain lighthouse --bind HOST:PORT` and pass that address"
             )
 
-    def start(self, step: int, state_fn: StateFn, load_fn: LoadFn) -> None:
+    def start(self, step: int, state_fn: StateFn, load_fn: LoadFn, recipe: str) -> None:
         """All ranks of the group, once the run resumed at `step`: the group's store (rank 0 serves it on the bind
         address), then the Manager, which heartbeats to the Lighthouse from then on (so a group still loading
         its checkpoint never holds up the others' quorum). state_fn/load_fn: the live state a donor sends and a
-        joiner loads (after its digest is checked)."""
+        joiner loads (after its digest is checked); recipe: this group's (a heal from another is refused)."""
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from ddptrain.train.in_place_transport import RecipeTransport
 
         self._state_fn, self._load_fn = state_fn, load_fn
         bind = self.env.bind
@@ -206,6 +214,8 @@ class InPlaceSession:
         port = broadcast_object(self.ctx, port)
         pg_class = ProcessGroupNCCL if self.ctx.device.type == "cuda" else ProcessGroupGloo
         self.pg = pg_class(timeout=self.timeout)
+        inner = PGTransport(self.pg, self.timeout, self.ctx.device)
+        self._transport = RecipeTransport(inner, self.env.replica_group, recipe)
         with _manager_server_bound(bind), _lighthouse_named(self.env.lighthouse, self.timeout):
             self.manager = Manager(
                 pg=self.pg,
@@ -223,7 +233,7 @@ class InPlaceSession:
                 lighthouse_addr=self.env.lighthouse,
                 replica_id=f"g{self.env.replica_group}",
                 hostname=bind,  # what the other groups dial to heal from us: an address, not a host name
-                checkpoint_transport=PGTransport(self.pg, self.timeout, self.ctx.device),
+                checkpoint_transport=self._transport,
                 init_sync=False,  # every group builds the same initial weights from run.seed
                 max_retries=20,
             )
@@ -259,11 +269,16 @@ class InPlaceSession:
         """This step's quorum (healing this group from a peer when it is behind).
 
         A quorum that fails (the Lighthouse lost, or restarting) is asked again until the Lighthouse answers,
-        for up to `outage_s`; still_waiting(why) is called before each new attempt.
+        for up to `outage_s`; still_waiting(why) is called before each new attempt. ConfigError (exit 2) when the
+        donor of this group's heal trains another recipe: nothing of its state was received.
         """
         self._heal, self._reported = None, False
         t0 = time.perf_counter()
         self._start_quorum(still_waiting)
+        if self._transport.refused_by is not None:
+            raise another_recipe(self.env.replica_group, [self._transport.refused_by])
+        # torchft 0.2.0 has no accessor for the quorum's id; a new id is a new membership for every group in it.
+        new, self._quorum_id = self.manager._quorum_id != self._quorum_id, self.manager._quorum_id
         heal = self._heal
         if heal is not None:
             heal = Heal(time.perf_counter() - t0, heal.bytes, heal.verified, heal.error)
@@ -271,7 +286,7 @@ class InPlaceSession:
                 # Stay behind the others, so that the next quorum heals this group again.
                 self.manager.load_state_dict({"step": committed_step, "batches_committed": 0})
         rank = self.manager.participating_rank()
-        return View(rank if rank is not None else -1, self.manager.num_participants(), heal)
+        return View(rank if rank is not None else -1, self.manager.num_participants(), heal, new)
 
     def _start_quorum(self, still_waiting: Callable[[str], None]) -> None:
         give_up = time.monotonic() + self.outage_s

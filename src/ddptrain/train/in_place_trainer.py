@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,13 +24,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer
+from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
+from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
 from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
-from ddptrain.train.agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
+from ddptrain.train.agreement import (
+    FROM_FOLDER,
+    IN_JOB,
+    NEW,
+    differing_states,
+    job_outsiders,
+    recipe_of,
+    recipe_slot,
+    state_fingerprint,
+)
 from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.in_place import InPlaceSession, View
 from ddptrain.train.preemption import NO_STOP, StopRequest
@@ -38,7 +50,7 @@ from ddptrain.train.trainer import StepResult, Trainer
 log = logging.getLogger(__name__)
 
 _LOSS, _OK, _CHECK, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks, groups asking for a state check,
-# then each group's id + 1 and its recipe, in quorum order (one slot per group)
+# then each group's id + 1, in quorum order (one slot per group)
 
 
 def check_in_place(cfg: Config) -> None:
@@ -50,6 +62,16 @@ def check_in_place(cfg: Config) -> None:
             f"in-place fault tolerance cuts the global batch into micro-batches: train.global_batch_size="
             f"{cfg.train.global_batch_size} must be a multiple of data.micro_batch_size={cfg.data.micro_batch_size}"
         )
+
+
+def check_in_place_data(cfg: Config, train_set: Dataset[Any], pad_id: Callable[[], int]) -> None:
+    """ConfigError for data the in-place mode does not train, told by its first sample as the run's collate batches
+    it: called once the datasets are built and before anything is written into the run folder."""
+    if not hasattr(train_set, "__getitem__"):
+        raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
+    batch = build_collate(cfg.data, pad_id)([train_set[0]])
+    if isinstance(batch, Mapping) and "labels" in batch:
+        raise ConfigError("in-place fault tolerance does not weight a loss by answer tokens (SFT data) yet")
 
 
 def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
@@ -73,9 +95,7 @@ class InPlaceTrainer(Trainer):
         session: InPlaceSession,
     ) -> None:
         super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
-        if not hasattr(train_set, "__getitem__"):
-            raise ConfigError("in-place fault tolerance reads samples by id: a streamed (iterable) dataset cannot")
-        self.train_set = train_set
+        self.train_set = train_set  # map-style: check_in_place_data refused any other before the folder was written
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
         self.session = session
@@ -86,16 +106,29 @@ class InPlaceTrainer(Trainer):
             # Under DDP the group's own sum is in the gradients only after backward.
             overlap=not isinstance(getattr(self.ddp, "_orig_mod", self.ddp), DDP),
         )
-        checkpointer.share_folder()  # the other groups' saves in progress are not stale
-        self.recipe = recipe_fingerprint(cfg, checkpointer.identity)
+        self.recipe = recipe_of(checkpointer.config, checkpointer.identity)
+        self.resumed_recipe: str | None = None  # the recipe of the checkpoint this group resumed from
+        self.in_job = False  # whether this process committed a step or healed from the job (train/agreement.py)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
         self.stop_request: StopRequest | None = None
+        self.pending: View | None = None  # the first quorum, taken (and admitted) before the run was accepted
+        metrics.hold()  # until this group is admitted: a group of another recipe leaves metrics.jsonl as it was
+
+    def resume(self, ckpt: VerifiedCheckpoint) -> None:
+        """Trainer.resume; notes the checkpoint's recipe (a group resuming with its own recipe stands higher)."""
+        super().resume(ckpt)
+        self.resumed_recipe = recipe_of(ckpt.manifest.config, ckpt.manifest.identity)
 
     def after_resume(self) -> None:
-        """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager)."""
-        self.session.start(self.step, self.live_state, self.load_live_state)
+        """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager),
+        and take the first one: a group of another recipe than the job's stops there (exit 2) before it heals,
+        trains or writes anything (run.py writes config.yaml and the held logs once this returns)."""
+        self.session.start(self.step, self.live_state, self.load_live_state, self.recipe)
+        if self.step < self.cfg.train.max_steps:
+            self.pending = self.admitted_view()
+        self.metrics.accept()
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
@@ -122,11 +155,7 @@ class InPlaceTrainer(Trainer):
         nothing: no update, the data position stays)."""
         t0 = time.perf_counter()
         while True:
-            view = self.session.quorum(self.step, self.waiting_for_quorum)
-            if view.heal is not None:
-                self.record_heal(view)
-            elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
-                self.record_own("quorum_failed", error=self.session.error_line())
+            view, self.pending = self.pending or self.admitted_view(), None
             if view.groups * self.ctx.world_size > self.micro_batches:
                 raise ConfigError(
                     f"{view.groups} replica groups x {self.ctx.world_size} ranks take part, more than the "
@@ -139,6 +168,50 @@ class InPlaceTrainer(Trainer):
             level = self.stop_request.level if self.stop_request is not None else NO_STOP
             if level != NO_STOP:  # a stop signal while steps fail: leave now, at the last committed step
                 raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
+
+    def admitted_view(self) -> View:
+        """The next quorum whose groups all train the job's recipe (a new membership is admitted first: admit),
+        healing this group there when it is behind (from a donor of its own recipe only: in_place_transport.py)."""
+        while True:
+            view = self.session.quorum(self.step, self.waiting_for_quorum)
+            if view.heal is not None:
+                self.in_job = self.in_job or view.heal.verified  # a donor of its recipe's state: the job's
+                self.record_heal(view)
+            elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
+                self.record_own("quorum_failed", error=self.session.error_line())
+            if not view.new or self.admit(view):
+                return view
+            self.session.should_commit()  # discarded by this group: the next quorum is asked without the outsiders
+            self.session.abandon_collectives()
+            self.discarded += 1
+
+    def admit(self, view: View) -> bool:
+        """A new membership, before its first step: every group shows its id, recipe and standing in one sum
+        (train/agreement.py). A group whose recipe is not the job's raises ConfigError (exit 2); the others
+        discard this quorum (False) and ask for the next one. False too when the sum failed (a group left)."""
+        n = view.groups
+        slots = torch.zeros(3 * n, dtype=torch.float64)
+        if self.ctx.rank == 0:
+            slots[view.rank] = self.group_id + 1
+            slots[n + view.rank] = recipe_slot(self.recipe)
+            slots[2 * n + view.rank] = self.standing()
+        summed = self.session.sum_over_all_ranks(slots)
+        if summed is None:
+            return False
+        values = summed.tolist()
+        groups = [int(g) - 1 for g in values[:n]]
+        odd = job_outsiders(values[n : 2 * n], values[2 * n :], groups, self.group_id, recipe_slot(self.recipe))
+        if odd:
+            log.warning("replica group(s) %s train another recipe than the job's: they leave", odd)
+            self.session.report(f"replica group(s) {odd} train another recipe than the job's")
+            return False
+        return True
+
+    def standing(self) -> float:
+        """How this group's recipe weighs when the job's is chosen (train/agreement.py)."""
+        if self.in_job:
+            return IN_JOB
+        return FROM_FOLDER if self.resumed_recipe == self.recipe else NEW
 
     def waiting_for_quorum(self, why: str) -> None:
         """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own (the
@@ -187,33 +260,28 @@ class InPlaceTrainer(Trainer):
         ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
         chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
         batches = [self.collate([self.train_set[i] for i in chunk]) for chunk in chunks]
-        if isinstance(batches[0], dict) and "labels" in batches[0]:
-            raise ConfigError("in-place fault tolerance does not weight a loss by answer tokens (SFT data) yet")
         return [to_device(batch, self.ctx.device) for batch in batches]
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
-        """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, the
-        group ids in quorum order and each group's recipe (train/agreement.py). None: discard the step.
+        """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, and the
+        group ids in quorum order (their recipes were compared when the membership was new: admit). None: discard
+        the step.
 
         A group whose heal was refused says so here, so every group discards the step (and it heals again). After
         a heal or a change of membership every group also shows its state's fingerprint: the groups that differ
         from the lowest-ranked one's heal again from it.
         """
         n = view.groups
-        values = torch.zeros(_FIXED + 2 * n, dtype=torch.float64)
+        values = torch.zeros(_FIXED + n, dtype=torch.float64)
         values[_LOSS] = loss.detach().to("cpu", torch.float64)
         values[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
         if self.ctx.rank == 0:
             values[_CHECK] = 1.0 if view.heal is not None or self.membership_moved(view) else 0.0
             values[_FIXED + view.rank] = self.group_id + 1
-            values[_FIXED + n + view.rank] = self.recipe
         summed = self.session.sum_over_all_ranks(values)
         if summed is None:
             return None
         groups = [int(g) - 1 for g in summed[_FIXED : _FIXED + n].tolist()]
-        if odd := check_recipe(summed[_FIXED + n :].tolist(), groups, self.group_id, self.recipe):
-            self.session.report(f"replica group(s) {odd} train another recipe: they stop")
-            return None
         ranks = n * self.ctx.world_size
         if int(summed[_OK]) != ranks:
             self.session.report(f"{ranks - int(summed[_OK])} rank(s) refused the state they healed from")
@@ -247,7 +315,7 @@ class InPlaceTrainer(Trainer):
 
     def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
-        self.writer = view.rank == 0
+        self.writer, self.in_job = view.rank == 0, True
         # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
         # rank 0 logs the steps (log_train), so only it writes the certificate.
         self.metrics.enabled = self.ctx.is_main and self.writer
