@@ -18,7 +18,7 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "ddptrain"
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 800  # a module is one concept: split by meaning, never to meet a count
 MAX_FUNCTION_LINES = 60
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 LAYERS_BLOCK_HEADER = "# layers, top first (pyproject.toml [tool.importlinter], checked by `make lint`)"
