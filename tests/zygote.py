@@ -42,6 +42,10 @@ def serve(socket_path: str) -> None:
     import ddptrain.launch.launcher  # noqa: F401  (the agent of `ddptrain launch`)
     import ddptrain.run  # noqa: F401
 
+    try:  # the HF models' commands (prepare with a tokenizer, export, eval) import it first thing
+        from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+    except ImportError:
+        pass
     assert threading.active_count() == 1, "a zygote must not fork with threads running"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)

@@ -20,7 +20,9 @@ from ddptrain.cli import main
 
 pytestmark = pytest.mark.dist
 REGRESSION = TESTS_DIR.parent / "examples" / "regression"
-LOSS = re.compile(r"samples, loss (\d+\.\d+)$", re.MULTILINE)  # a regression: no perplexity
+LOSS = re.compile(
+    r"samples, loss (\d+\.\d+)(?:, perplexity [\d.]+)?$", re.MULTILINE
+)  # perplexity for language models only
 MODEL = ["model.target=regression:build_model", "model.kwargs={dim: 4, hidden: 16, depth: 1}"]
 DATA = ["data.target=regression:build_datasets", "data.kwargs={n_train: 256, n_val: 40, dim: 4}"]
 
