@@ -9,6 +9,10 @@ part are known before the data is read, because the quorum is synchronous.
 
 The folder is written by the participating group of rank 0 (the lowest id in the quorum): metrics,
 certificate, checkpoints. A heal is recorded by the group that healed.
+
+A stop signal that finds no quorum to be had (the launcher that served the Lighthouse was killed, and the
+agents passed its death on as SIGTERM) stops every group at the step they last committed together, which no
+group can pass without a quorum: the group that wrote it commits its checkpoint (`stop_at_last_commit`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ from torch.utils.data import Dataset
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.config import Config
 from ddptrain.dist import DistContext
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, DdptrainError
 from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.train.agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.cross_group import CrossGroupGradients
-from ddptrain.train.in_place import InPlaceSession, View
-from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
+from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,8 @@ class InPlaceTrainer(Trainer):
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
+        self.commits = 0  # steps committed by this process
+        self.saved_step: int | None = None  # the last step this group saved
         self.stop_request: StopRequest | None = None
 
     def after_resume(self) -> None:
@@ -118,7 +124,10 @@ class InPlaceTrainer(Trainer):
         nothing: no update, the data position stays)."""
         t0 = time.perf_counter()
         while True:
-            view = self.session.quorum(self.step, self.waiting_for_quorum)
+            try:
+                view = self.session.quorum(self.step, self.waiting_for_quorum, self.leaving)
+            except QuorumAbandoned:
+                raise self.stop_at_last_commit() from None
             if view.heal is not None:
                 self.record_heal(view)
             elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
@@ -132,9 +141,39 @@ class InPlaceTrainer(Trainer):
             if result is not None:
                 return result
             self.discarded += 1
-            level = self.stop_request.level if self.stop_request is not None else NO_STOP
-            if level != NO_STOP:  # a stop signal while steps fail: leave now, at the last committed step
+            level = self.stop_level()
+            if level in (INTERRUPT, PREEMPT):  # a stop signal while steps fail: leave now, at the last commit
+                raise self.stop_at_last_commit()
+            if level != NO_STOP:
                 raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
+
+    def stop_level(self) -> int:
+        """This rank's own stop request (train/preemption.py's levels); NO_STOP without one."""
+        return self.stop_request.level if self.stop_request is not None else NO_STOP
+
+    def leaving(self) -> bool:
+        """Asked while a quorum is pending: leave it when a stop was requested and the Lighthouse is gone (no
+        group can commit another step then, so every group stops at the same last committed step)."""
+        return self.stop_level() in (INTERRUPT, PREEMPT) and not self.session.lighthouse_answers()
+
+    def stop_at_last_commit(self) -> DdptrainError:
+        """Stop without another step: the group that wrote the last committed step commits its checkpoint (unless
+        it has already), as at any agreed stop; returns the stop (75 or 130) for every rank to raise."""
+        assert self.stop_request is not None
+        level = self.stop_level()
+        log.warning("stop requested with no step to be had: stopping at step %d, the last committed", self.step)
+        self.agreement.wait()  # every rank of the group started the same agreement after that step
+        if self.writer and self.commits:
+            if self.saved_step != self.step:
+                self.observers.state_settled(self.step, False, True)  # the replica check before a save
+                with self.observers.phase("checkpoint"):
+                    self.save_checkpoint()
+                    self.report_saves()
+            with self.observers.phase("checkpoint"):
+                self.finish_saves()
+        else:
+            self.checkpointer.wait()
+        return self.stop_request.stop_error(self.step, level)
 
     def waiting_for_quorum(self, why: str) -> None:
         """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own (the
@@ -159,6 +198,12 @@ class InPlaceTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             self.session.abandon_collectives()
             why = self.session.error_line() or "another rank of the group voted no"
+            eviction = self.session.take_eviction()
+            if eviction is not None:
+                why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
+                self.metrics.write(
+                    "event", event="evicted", step=self.step + 1, groups=eviction.groups, silent_s=eviction.silent_s
+                )
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None
         assert summed is not None
@@ -265,6 +310,7 @@ class InPlaceTrainer(Trainer):
                 log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
             self.members = members
         self.discarded = 0
+        self.commits += 1
 
     def record_heal(self, view: View) -> None:
         """The group that healed writes the heal into metrics.jsonl itself (whoever writes the rest)."""
@@ -311,6 +357,7 @@ class InPlaceTrainer(Trainer):
         """The writing group saves (every group holds the same state after a commit)."""
         if self.writer:
             super().save_checkpoint()
+            self.saved_step = self.step
 
     def finish_saves(self) -> None:
         """The writing group finishes its saves as any run does; the others have none."""
