@@ -185,6 +185,8 @@ class InPlaceSession:
         self._reported = False  # this step was failed by report() (a check of ours), not by a collective
         self._drill = env.inject
         self.watch: PeerWatch | None = None
+        self._evicted = False  # this step's collectives were given up on (take_eviction)
+        self._stale_groups: list[Any] = []  # process groups left with a frozen group's collective in flight
         self._asker = concurrent.futures.ThreadPoolExecutor(1, "ddptrain-quorum", initializer=self._on_own_device)
 
     def _on_own_device(self) -> None:
@@ -363,13 +365,26 @@ class InPlaceSession:
         for it (the 5 s stalls of docs/goodput.md). Aborting here closes this rank's connections, so such a
         peer fails at once and asks for the next quorum, whose new membership configures a new process group.
         A step failed by a check of ours (report) leaves the group as it is: its collectives all completed.
+
+        After an eviction (train/peer_watch.py) a collective is still in flight with the frozen group, and gloo
+        waits for it, in an abort or in the group's destructor, until dist.ft_timeout_s: that group is detached
+        from torchft's wrapper (whose next configure would abort it) and kept, unaborted, until the session ends;
+        the next quorum configures a new one. When the frozen group wakes, its collective completes or fails.
         """
-        if self.errored() and not self._reported:
-            self.pg.abort()
+        if not self.errored() or self._reported:
+            return
+        if self._evicted:
+            self._stale_groups.append(self.pg._pg)
+            self.pg._pg = None
+            self.manager._quorum_id = -1  # the next quorum configures a new group even with the same members
+            return
+        self.pg.abort()
 
     def take_eviction(self) -> Eviction | None:
         """The groups evicted from this step for not answering (train/peer_watch.py), if any."""
-        return self.watch.take_eviction() if self.watch is not None else None
+        eviction = self.watch.take_eviction() if self.watch is not None else None
+        self._evicted = eviction is not None
+        return eviction
 
     def should_commit(self) -> bool:
         """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""

@@ -95,6 +95,7 @@ class InPlaceTrainer(Trainer):
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
+        self.evicted: set[int] = set()  # groups evicted from those steps for not answering (train/peer_watch.py)
         self.commits = 0  # steps committed by this process
         self.saved_step: int | None = None  # the last step this group saved
         self.stop_request: StopRequest | None = None
@@ -196,14 +197,12 @@ class InPlaceTrainer(Trainer):
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
+            eviction = self.session.take_eviction()
             self.session.abandon_collectives()
             why = self.session.error_line() or "another rank of the group voted no"
-            eviction = self.session.take_eviction()
-            if eviction is not None:
+            if eviction is not None:  # named in the next quorum event
                 why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
-                self.metrics.write(
-                    "event", event="evicted", step=self.step + 1, groups=eviction.groups, silent_s=eviction.silent_s
-                )
+                self.evicted.update(eviction.groups)
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None
         assert summed is not None
@@ -305,11 +304,12 @@ class InPlaceTrainer(Trainer):
                 left=sorted(old - set(members)),
                 world_size=ranks,
                 discarded_steps=self.discarded,
+                evicted=sorted(self.evicted),
             )
             if self.metrics.enabled:
                 log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
             self.members = members
-        self.discarded = 0
+        self.discarded, self.evicted = 0, set()
         self.commits += 1
 
     def record_heal(self, view: View) -> None:
