@@ -380,6 +380,15 @@ class InPlaceSession:
             return
         self.pg.abort()
 
+    def mark_step(self) -> None:
+        """An attempt at a step starts (the watch's frozen time counts from here)."""
+        if self.watch is not None:
+            self.watch.mark()
+
+    def frozen_s(self) -> float:
+        """How long this process was stopped during the attempt (0 without a watch)."""
+        return self.watch.frozen_s() if self.watch is not None else 0.0
+
     def take_eviction(self) -> Eviction | None:
         """The groups evicted from this step for not answering (train/peer_watch.py), if any."""
         eviction = self.watch.take_eviction() if self.watch is not None else None

@@ -36,6 +36,7 @@ from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.train.agreement import check_recipe, differing_states, recipe_fingerprint, state_fingerprint
 from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
+from ddptrain.train.peer_watch import SILENT_S
 from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
 
@@ -125,6 +126,7 @@ class InPlaceTrainer(Trainer):
         nothing: no update, the data position stays)."""
         t0 = time.perf_counter()
         while True:
+            self.session.mark_step()
             try:
                 view = self.session.quorum(self.step, self.waiting_for_quorum, self.leaving)
             except QuorumAbandoned:
@@ -194,6 +196,8 @@ class InPlaceTrainer(Trainer):
         self.cross_group.launch_rest()
         summed = self.step_sum(view, loss / self.ctx.world_size)  # queued behind the gradient buckets
         self.cross_group.finish(self.session.errored)
+        if (frozen := self.session.frozen_s()) >= SILENT_S:  # the others evicted this group meanwhile
+            self.session.report(f"this group was stopped for {frozen:.1f} s: the other groups went on without it")
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)

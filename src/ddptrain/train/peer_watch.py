@@ -12,9 +12,12 @@ its last heartbeat, marked `old` past the Lighthouse's heartbeat timeout). When 
 has been silent for SILENT_S and the Lighthouse holds it old, every tracked collective fails with `Evicted`:
 the step is discarded, the cross-group process group aborted (InPlaceSession.abandon_collectives), and the
 next quorum, which the Lighthouse forms without the silent group, goes on. When that group wakes, its own
-collectives fail on the aborted connections; it finds itself behind at its next quorum and heals, as any
-group that comes back does. A page that cannot be read or parsed evicts nobody (dist.ft_timeout_s still
-bounds the wait).
+collectives may still complete against the survivors' abandoned ones (gloo cannot abort those without
+waiting for them), so each rank also watches itself: the watch thread ticks every POLL_S, and a step during
+which it missed SILENT_S of ticks (`frozen_s`: the process was stopped, as long as the others take to evict
+it) is discarded by the group itself (InPlaceTrainer.attempt); it then finds itself behind at its next
+quorum and heals, as any group that comes back does. A page that cannot be read or parsed evicts nobody
+(dist.ft_timeout_s still bounds the wait).
 
 A hang that leaves the heartbeat running (one rank of a several-rank group frozen while its rank 0 is not, a
 deadlock in Python) is not seen here: dist.ft_timeout_s bounds it.
@@ -116,6 +119,8 @@ class PeerWatch:
         self._eviction: Eviction | None = None
         self._unreadable = False  # said once
         self._closed = threading.Event()
+        self._tick = time.monotonic()
+        self._gap = 0.0  # the longest time between two ticks since mark()
         self._thread = threading.Thread(target=self._watch, name="ddptrain-peer-watch", daemon=True)
 
     def start(self) -> PeerWatch:
@@ -151,6 +156,16 @@ class PeerWatch:
         fut.add_done_callback(settle)
         return out
 
+    def mark(self) -> None:
+        """A step starts: frozen_s() counts from here."""
+        with self._lock:
+            self._gap = 0.0
+
+    def frozen_s(self) -> float:
+        """The longest stretch since mark() in which the watch thread did not run (this process was stopped)."""
+        with self._lock:
+            return max(self._gap, time.monotonic() - self._tick)
+
     def take_eviction(self) -> Eviction | None:
         """The eviction since the last call, if any (the trainer records it with the discarded step)."""
         with self._lock:
@@ -164,6 +179,9 @@ class PeerWatch:
 
     def _watch(self) -> None:
         while not self._closed.wait(POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                self._gap, self._tick = max(self._gap, now - self._tick), now
             if not self._stalled():
                 continue
             with self._lock:
