@@ -157,9 +157,9 @@ class PeerWatch:
         return out
 
     def mark(self) -> None:
-        """A step starts: frozen_s() counts from here."""
+        """A step starts: frozen_s() counts from here (what came before, a long save holding the GIL, does not)."""
         with self._lock:
-            self._gap = 0.0
+            self._gap, self._tick = 0.0, time.monotonic()
 
     def frozen_s(self) -> float:
         """The longest stretch since mark() in which the watch thread did not run (this process was stopped)."""
