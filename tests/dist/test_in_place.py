@@ -7,6 +7,7 @@ with the in-place variables of ft_env.py. The multi-host scenarios are in tests/
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -299,3 +300,107 @@ def test_a_group_of_another_recipe_joining_a_training_job_is_refused_its_heal_an
     assert [r["step"] for r in records(run_dir) if r["kind"] == "train"] == list(range(1, 41))
     assert all(e["groups"] == [0] for e in records(run_dir) if e.get("event") == "quorum")
     assert_left_nothing(run_dir, 1, "0.01")
+
+
+@pytest.mark.timeout(200)
+def test_a_frozen_writer_group_is_evicted_and_rejoins_when_it_wakes(lighthouse: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # dist.ft_timeout_s far above the waits below: only the eviction lets the other group go on while group 0 sleeps.
+    train = [*TOY, "train.max_steps=60", "dist.ft_timeout_s=90", "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
+    argv = [sys.executable, "-m", "ddptrain", "train", *train]
+    logs = [open(tmp_path / f"group{g}.log", "wb") for g in (0, 1)]
+    groups = [
+        subprocess.Popen(argv, env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT) for g in (0, 1)
+    ]
+
+    def trained(after: float, size: int) -> list[dict[str, Any]]:
+        return [r for r in records(run_dir) if r["kind"] == "train" and r["time"] > after and r["world_size"] == size]
+
+    try:
+        deadline = time.monotonic() + 90
+        while not any(r["step"] >= 8 for r in trained(0, 2)):
+            assert time.monotonic() < deadline, (tmp_path / "group0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        groups[0].send_signal(signal.SIGSTOP)  # group 0 writes the folder: it freezes mid-step, sockets open
+        frozen_at = time.time()
+        deadline = time.monotonic() + 60
+        while len(trained(frozen_at, 1)) < 3:  # group 1 trains on alone while group 0 is still frozen
+            assert time.monotonic() < deadline, (tmp_path / "group1.log").read_text()[-3000:]
+            time.sleep(0.05)
+        groups[0].send_signal(signal.SIGCONT)
+        woke_at = time.time()
+        assert [g.wait(timeout=100) for g in groups] == [0, 0], (tmp_path / "group0.log").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        for f in logs:
+            f.close()
+    steps = [r for r in records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 61))  # each step committed and logged once
+    quorums = [r for r in records(run_dir) if r.get("event") == "quorum"]
+    evicted = next(q for q in quorums if q["evicted"])
+    assert evicted["evicted"] == [0] and evicted["groups"] == [1] and evicted["left"] == [0]
+    back = [q for q in quorums if q["time"] > woke_at and 0 in q["joined"]]  # it woke, healed and rejoined
+    assert back and back[-1]["groups"] == [0, 1]
+    assert any(h["replica_group"] == 0 and h["verified"] for h in records(run_dir) if h.get("event") == "heal")
+    first = trained(frozen_at, 1)[0]
+    print(f"MEASURED frozen group (SIGSTOP) -> next commit by the other: {first['time'] - frozen_at:.2f} s")
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, theirs, and so on (walked before a kill: the orphans' parent changes after it)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.timeout(200)
+def test_a_sigkilled_launcher_stops_its_groups_at_the_last_commit_with_a_checkpoint(tmp_path: Path) -> None:
+    from ddptrain.checkpoint.verify import verify_checkpoint
+
+    run_dir = tmp_path / "run"
+    # The Lighthouse lives in the launcher: its quorums would wait dist.ft_timeout_s (60 s), past the agents'
+    # shutdown timeout (30 s), which would SIGKILL the workers without a checkpoint.
+    train = [*TOY, "train.max_steps=400", "dist.ft_timeout_s=60", "model.kwargs.step_sleep=0.05", f"run.dir={run_dir}"]
+    ft = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--nproc-per-node", "2"]
+    argv = [sys.executable, "-m", "ddptrain", "launch", *ft, "--", "train", *train]
+    log = open(tmp_path / "launch.log", "wb")
+    launcher = subprocess.Popen(argv, env=env_for_subprocess(), stdout=log, stderr=subprocess.STDOUT)
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r.get("step", 0) >= 12 and r.get("world_size") == 2 for r in records(run_dir)):
+            assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "launch.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.1)
+        family = descendants(launcher.pid)
+        launcher.kill()  # as the OOM killer would: the groups' launches get SIGTERM from the kernel
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 90  # generous: a bound, not a timing (the agents would kill at 30 s)
+        while any(running(p) for p in family):
+            assert time.monotonic() < deadline, (tmp_path / "launch.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        for pid in family:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+    last = max(r["step"] for r in records(run_dir) if r["kind"] == "train")
+    ends = [r for r in records(run_dir) if r.get("event") == "preempted"]
+    assert [(e["step"], e["exit_code"]) for e in ends] == [(last, 75)], (tmp_path / "launch.log").read_text()[-3000:]
+    assert verify_checkpoint(run_dir / "checkpoints" / f"step-{last:08d}").step == last  # the stop step, committed

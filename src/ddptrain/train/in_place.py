@@ -9,10 +9,16 @@ is new to this group (`View.new`: the Trainer then admits it before its first st
 peer dying mid all-reduce makes
 `should_commit()` discard the step instead of crashing the survivors (torchft's own DDP comm hook asserts
 there, field notes). Every server binds the node's address (FaultToleranceEnv.bind), never all interfaces.
+A group that stops answering is evicted from the step in flight (train/peer_watch.py).
+
+The quorum is awaited from a thread of this session, so that the rank can leave the wait: a stop requested while
+the Lighthouse is gone (it lived in the launcher that was killed) raises QuorumAbandoned, and the group stops at
+its last committed step (InPlaceTrainer.stop_at_last_commit) instead of waiting out dist.ft_timeout_s.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -34,11 +40,19 @@ from ddptrain.endpoints import host_port
 from ddptrain.errors import LaunchError, UserError
 from ddptrain.ft_env import LIGHTHOUSE_ENV, FaultToleranceEnv, quiet_torchft
 from ddptrain.train.agreement import another_recipe
+from ddptrain.train.peer_watch import Eviction, PeerWatch, RecordingClient
+from ddptrain.train.preemption import leave_without_teardown
 
 log = logging.getLogger(__name__)
 
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
+LEAVE_POLL_S = 0.2  # how often a pending quorum asks whether the rank should leave it
+PROBE_S = 1.0  # a Lighthouse that does not accept a connection within this is gone
+
+
+class QuorumAbandoned(Exception):
+    """This rank left a pending quorum (leave() said so): its group stops at its last committed step."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,15 @@ class InPlaceSession:
         self._quorum_id: int | None = None  # the last quorum's id (torchft's: a new one for a new membership)
         self._reported = False  # this step was failed by report() (a check of ours), not by a collective
         self._drill = env.inject
+        self.watch: PeerWatch | None = None
+        self._evicted = False  # this step's collectives were given up on (take_eviction)
+        self._stale_groups: list[Any] = []  # process groups left with a frozen group's collective in flight
+        self._asker = concurrent.futures.ThreadPoolExecutor(1, "ddptrain-quorum", initializer=self._on_own_device)
+
+    def _on_own_device(self) -> None:
+        """The quorum thread works on this rank's device (a heal's tensors land there)."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)
 
     def reach(self) -> None:
         """Before anything is written: LaunchError (exit 2, one line) when the Lighthouse does not answer a TCP
@@ -238,6 +261,14 @@ class InPlaceSession:
                 max_retries=20,
             )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        address = self.env.lighthouse.removeprefix("http://")
+        self.watch = PeerWatch(f"http://{address}/status", self.env.replica_group).start()
+        self.manager._client = RecordingClient(self.manager._client, self.watch.quorum_formed)
+
+    def lighthouse_answers(self) -> bool:
+        """Whether the Lighthouse accepts a TCP connection within PROBE_S."""
+        host, port = host_port(LIGHTHOUSE_ENV, self.env.lighthouse.removeprefix("http://"))
+        return probe_store(host, port, time.monotonic() + PROBE_S) is None
 
     def _send(self) -> dict[str, Any]:
         """The donor's side of a heal: the live state and its digest (the joiner checks it before loading)."""
@@ -265,16 +296,19 @@ class InPlaceSession:
         self._load_fn(state)
         self._heal = Heal(0.0, size, True)
 
-    def quorum(self, committed_step: int, still_waiting: Callable[[str], None]) -> View:
+    def quorum(
+        self, committed_step: int, still_waiting: Callable[[str], None], leave: Callable[[], bool] = lambda: False
+    ) -> View:
         """This step's quorum (healing this group from a peer when it is behind).
 
         A quorum that fails (the Lighthouse lost, or restarting) is asked again until the Lighthouse answers,
-        for up to `outage_s`; still_waiting(why) is called before each new attempt. ConfigError (exit 2) when the
-        donor of this group's heal trains another recipe: nothing of its state was received.
+        for up to `outage_s`; still_waiting(why) is called before each new attempt. While a quorum is pending,
+        leave() is asked every LEAVE_POLL_S: True raises QuorumAbandoned. ConfigError (exit 2) when the donor of
+        this group's heal trains another recipe: nothing of its state was received.
         """
         self._heal, self._reported = None, False
         t0 = time.perf_counter()
-        self._start_quorum(still_waiting)
+        self._start_quorum(still_waiting, leave)
         if self._transport.refused_by is not None:
             raise another_recipe(self.env.replica_group, [self._transport.refused_by])
         # torchft 0.2.0 has no accessor for the quorum's id; a new id is a new membership for every group in it.
@@ -288,12 +322,14 @@ class InPlaceSession:
         rank = self.manager.participating_rank()
         return View(rank if rank is not None else -1, self.manager.num_participants(), heal, new)
 
-    def _start_quorum(self, still_waiting: Callable[[str], None]) -> None:
+    def _start_quorum(self, still_waiting: Callable[[str], None], leave: Callable[[], bool]) -> None:
         give_up = time.monotonic() + self.outage_s
         while True:
             try:
-                self.manager.start_quorum(timeout=self.timeout)
+                self._ask_quorum(leave)
                 return
+            except QuorumAbandoned:
+                raise
             except Exception as e:  # torchft raises the quorum's own failure: a gRPC error, a timeout
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 if time.monotonic() > give_up:
@@ -306,6 +342,16 @@ class InPlaceSession:
                 self.manager._quorum_future = None
                 still_waiting(why)
                 time.sleep(0.5)
+
+    def _ask_quorum(self, leave: Callable[[], bool]) -> None:
+        """One quorum, awaited from the session's thread; QuorumAbandoned when leave() says so first. torchft's own
+        quorum thread then waits out its timeout, so the process leaves without joining it at exit."""
+        pending = self._asker.submit(self.manager.start_quorum, timeout=self.timeout)
+        while not concurrent.futures.wait([pending], timeout=LEAVE_POLL_S).done:
+            if leave():
+                leave_without_teardown()
+                raise QuorumAbandoned
+        pending.result()  # the quorum's own failure, raised here
 
     def errored(self) -> bool:
         """True when a collective of this step failed (the step will be discarded)."""
@@ -334,9 +380,35 @@ class InPlaceSession:
         for it (the 5 s stalls of docs/goodput.md). Aborting here closes this rank's connections, so such a
         peer fails at once and asks for the next quorum, whose new membership configures a new process group.
         A step failed by a check of ours (report) leaves the group as it is: its collectives all completed.
+
+        After an eviction (train/peer_watch.py) a collective is still in flight with the frozen group, and gloo
+        waits for it, in an abort or in the group's destructor, until dist.ft_timeout_s: that group is detached
+        from torchft's wrapper (whose next configure would abort it) and kept, unaborted, until the session ends;
+        the next quorum configures a new one. When the frozen group wakes, its collective completes or fails.
         """
-        if self.errored() and not self._reported:
-            self.pg.abort()
+        if not self.errored() or self._reported:
+            return
+        if self._evicted:
+            self._stale_groups.append(self.pg._pg)
+            self.pg._pg = None
+            self.manager._quorum_id = -1  # the next quorum configures a new group even with the same members
+            return
+        self.pg.abort()
+
+    def mark_step(self) -> None:
+        """An attempt at a step starts (the watch's frozen time counts from here)."""
+        if self.watch is not None:
+            self.watch.mark()
+
+    def frozen_s(self) -> float:
+        """How long this process was stopped during the attempt (0 without a watch)."""
+        return self.watch.frozen_s() if self.watch is not None else 0.0
+
+    def take_eviction(self) -> Eviction | None:
+        """The groups evicted from this step for not answering (train/peer_watch.py), if any."""
+        eviction = self.watch.take_eviction() if self.watch is not None else None
+        self._evicted = eviction is not None
+        return eviction
 
     def should_commit(self) -> bool:
         """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""
@@ -350,6 +422,8 @@ class InPlaceSession:
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type the field narrowly
         try:
             fut = self.pg.allreduce([tensor], opts).get_future()
+            if self.watch is not None:
+                fut = self.watch.track(fut)
         except Exception as e:  # a process group already broken by a lost peer
             self.manager.report_error(e)
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -366,7 +440,10 @@ class InPlaceSession:
         return None if self.errored() else tensor
 
     def close(self) -> None:
-        """Stop the Manager's server and threads, and the group's store."""
+        """Stop the Manager's server and threads, the eviction watch, and the group's store."""
+        if self.watch is not None:
+            self.watch.close()
+        self._asker.shutdown(wait=False)
         if self.manager is not None:
             try:
                 self.manager.shutdown(wait=False)

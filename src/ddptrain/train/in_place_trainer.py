@@ -9,6 +9,10 @@ part are known before the data is read, because the quorum is synchronous.
 
 The folder is written by the participating group of rank 0 (the lowest id in the quorum): metrics,
 certificate, checkpoints. A heal is recorded by the group that healed.
+
+A stop signal that finds no quorum to be had (the launcher that served the Lighthouse was killed, and the
+agents passed its death on as SIGTERM) stops every group at the step they last committed together, which no
+group can pass without a quorum: the group that wrote it commits its checkpoint (`stop_at_last_commit`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, DdptrainError
 from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
@@ -43,8 +47,9 @@ from ddptrain.train.agreement import (
     state_fingerprint,
 )
 from ddptrain.train.cross_group import CrossGroupGradients
-from ddptrain.train.in_place import InPlaceSession, View
-from ddptrain.train.preemption import NO_STOP, StopRequest
+from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
+from ddptrain.train.peer_watch import SILENT_S
+from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT, StopRequest
 from ddptrain.train.trainer import StepResult, Trainer
 
 log = logging.getLogger(__name__)
@@ -112,6 +117,9 @@ class InPlaceTrainer(Trainer):
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
         self.discarded = 0  # steps discarded since the last commit
+        self.evicted: set[int] = set()  # groups evicted from those steps for not answering (train/peer_watch.py)
+        self.commits = 0  # steps committed by this process
+        self.saved_step: int | None = None  # the last step this group saved
         self.stop_request: StopRequest | None = None
         self.pending: View | None = None  # the first quorum, taken (and admitted) before the run was accepted
         metrics.hold()  # until this group is admitted: a group of another recipe leaves metrics.jsonl as it was
@@ -155,6 +163,7 @@ class InPlaceTrainer(Trainer):
         nothing: no update, the data position stays)."""
         t0 = time.perf_counter()
         while True:
+            self.session.mark_step()
             view, self.pending = self.pending or self.admitted_view(), None
             if view.groups * self.ctx.world_size > self.micro_batches:
                 raise ConfigError(
@@ -165,15 +174,20 @@ class InPlaceTrainer(Trainer):
             if result is not None:
                 return result
             self.discarded += 1
-            level = self.stop_request.level if self.stop_request is not None else NO_STOP
-            if level != NO_STOP:  # a stop signal while steps fail: leave now, at the last committed step
+            level = self.stop_level()
+            if level in (INTERRUPT, PREEMPT):  # a stop signal while steps fail: leave now, at the last commit
+                raise self.stop_at_last_commit()
+            if level != NO_STOP:
                 raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
 
     def admitted_view(self) -> View:
         """The next quorum whose groups all train the job's recipe (a new membership is admitted first: admit),
         healing this group there when it is behind (from a donor of its own recipe only: in_place_transport.py)."""
         while True:
-            view = self.session.quorum(self.step, self.waiting_for_quorum)
+            try:
+                view = self.session.quorum(self.step, self.waiting_for_quorum, self.leaving)
+            except QuorumAbandoned:
+                raise self.stop_at_last_commit() from None
             if view.heal is not None:
                 self.in_job = self.in_job or view.heal.verified  # a donor of its recipe's state: the job's
                 self.record_heal(view)
@@ -213,6 +227,34 @@ class InPlaceTrainer(Trainer):
             return IN_JOB
         return FROM_FOLDER if self.resumed_recipe == self.recipe else NEW
 
+    def stop_level(self) -> int:
+        """This rank's own stop request (train/preemption.py's levels); NO_STOP without one."""
+        return self.stop_request.level if self.stop_request is not None else NO_STOP
+
+    def leaving(self) -> bool:
+        """Asked while a quorum is pending: leave it when a stop was requested and the Lighthouse is gone (no
+        group can commit another step then, so every group stops at the same last committed step)."""
+        return self.stop_level() in (INTERRUPT, PREEMPT) and not self.session.lighthouse_answers()
+
+    def stop_at_last_commit(self) -> DdptrainError:
+        """Stop without another step: the group that wrote the last committed step commits its checkpoint (unless
+        it has already), as at any agreed stop; returns the stop (75 or 130) for every rank to raise."""
+        assert self.stop_request is not None
+        level = self.stop_level()
+        log.warning("stop requested with no step to be had: stopping at step %d, the last committed", self.step)
+        self.agreement.wait()  # every rank of the group started the same agreement after that step
+        if self.writer and self.commits:
+            if self.saved_step != self.step:
+                self.observers.state_settled(self.step, False, True)  # the replica check before a save
+                with self.observers.phase("checkpoint"):
+                    self.save_checkpoint()
+                    self.report_saves()
+            with self.observers.phase("checkpoint"):
+                self.finish_saves()
+        else:
+            self.checkpointer.wait()
+        return self.stop_request.stop_error(self.step, level)
+
     def waiting_for_quorum(self, why: str) -> None:
         """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own (the
         observers hear the step start again)."""
@@ -231,11 +273,17 @@ class InPlaceTrainer(Trainer):
         self.cross_group.launch_rest()
         summed = self.step_sum(view, loss / self.ctx.world_size)  # queued behind the gradient buckets
         self.cross_group.finish(self.session.errored)
+        if (frozen := self.session.frozen_s()) >= SILENT_S:  # the others evicted this group meanwhile
+            self.session.report(f"this group was stopped for {frozen:.1f} s: the other groups went on without it")
         committed = self.session.should_commit()  # every rank of the group: the same verdict
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
+            eviction = self.session.take_eviction()
             self.session.abandon_collectives()
             why = self.session.error_line() or "another rank of the group voted no"
+            if eviction is not None:  # named in the next quorum event
+                why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
+                self.evicted.update(eviction.groups)
             log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
             return None
         assert summed is not None
@@ -332,11 +380,13 @@ class InPlaceTrainer(Trainer):
                 left=sorted(old - set(members)),
                 world_size=ranks,
                 discarded_steps=self.discarded,
+                evicted=sorted(self.evicted),
             )
             if self.metrics.enabled:
                 log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
             self.members = members
-        self.discarded = 0
+        self.discarded, self.evicted = 0, set()
+        self.commits += 1
 
     def record_heal(self, view: View) -> None:
         """The group that healed writes the heal into metrics.jsonl itself (whoever writes the rest)."""
@@ -393,6 +443,7 @@ class InPlaceTrainer(Trainer):
         """The writing group saves (every group holds the same state after a commit)."""
         if self.writer:
             super().save_checkpoint()
+            self.saved_step = self.step
 
     def finish_saves(self) -> None:
         """The writing group finishes its saves as any run does; the others have none."""
