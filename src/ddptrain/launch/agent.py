@@ -214,9 +214,8 @@ def describe_failure(failures: dict[int, ProcessFailure]) -> str:
     how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
     # The error file written by record() in the worker holds {"message": {"message": "Type: text", ...}}.
     cause = first.message.get("message", "") if isinstance(first.message, dict) else ""
-    return f"rank {rank} ({socket.gethostname()}) ended with {how}" + (
-        f": {cause}" if cause else " (its error is in the log above)"
-    )
+    said = f": {cause}" if cause else "" if first.exitcode < 0 else " (its error is in the log above)"
+    return f"rank {rank} ({socket.gethostname()}) ended with {how}{said}"
 
 
 class StallGuard(threading.Thread):
