@@ -76,8 +76,6 @@ def ddp_run(corpus_dir: Path, base: Path, tmp_path_factory: pytest.TempPathFacto
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
     r = run_ddptrain(lora(corpus_dir, base, run_dir), nproc=2, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    # One console, one "Loading weights" bar: rank 0's, not one per rank (issue 38, item 14).
-    assert (r.stdout + r.stderr).count("Loading weights") <= 1, r.stderr[-3000:]
     return run_dir
 
 
