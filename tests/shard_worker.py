@@ -11,6 +11,9 @@ equals the saved one, the manifest's writer and world size, whether this rank go
 back, and the bytes it read from checkpoint files.
 die RUN_DIR: as load, but rank 1 exits (os._exit, no cleanup) in the middle of the exchange of
 verified files: no rank may write its loaded file, and the job must fail.
+nodes RUN_DIR HOST,HOST,...: as load with ckpt.load=auto, as if rank r ran on the r-th host named
+(several ranks of one machine made to look like nodes); each rank also notes the files its plan
+says it reads.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +30,7 @@ import torch
 import ddptrain.checkpoint.shared_load as shared_load
 from ddptrain.checkpoint import Checkpointer, VerifiedCheckpoint
 from ddptrain.checkpoint.hashing_reader import bytes_read
+from ddptrain.checkpoint.load_plan import nodes_of
 from ddptrain.checkpoint.verify import checked_manifest
 from ddptrain.config import CkptConfig, DistConfig, ModelConfig
 from ddptrain.dist import DistContext, close_distributed, init_distributed
@@ -45,6 +51,8 @@ def main() -> None:
     """Save or load, as argv says."""
     mode, run_dir = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed(DistConfig(timeout_s=30))
+    if mode == "nodes":
+        ctx = replace(ctx, hosts=tuple(sys.argv[3].split(",")))
     if mode == "save":
         ckpt = Checkpointer(CkptConfig(async_save=True, keep=3), run_dir, ctx, {"note": "shard"})
         ckpt.setup()
@@ -62,7 +70,7 @@ def main() -> None:
         torch.distributed.barrier()
     if mode == "die" and ctx.rank == 1:
         die_in_exchange()
-    load(ctx, run_dir, mode)  # a new Checkpointer, as a restarted run builds
+    load(ctx, run_dir, mode, "auto" if mode == "nodes" else "shared")  # a new Checkpointer, as a restarted run builds
     if mode == "save":  # and again with every rank reading every file itself (ckpt.load's one-host choice)
         load(ctx, run_dir, mode, "every-rank")
     close_distributed(ctx)
@@ -80,19 +88,23 @@ def flip_in_share(folder: Path, note: Path, rank: int, world: int) -> None:
 
 
 def die_in_exchange() -> None:
-    """This rank exits at its second broadcast of verified files (a rank lost during the exchange)."""
-    real, calls = shared_load.broadcast_buffers, [0]
+    """This rank exits at its second transfer of verified files, sent or received (a rank lost during the exchange)."""
+    calls = [0]
 
-    def dying(*args: object) -> None:
-        calls[0] += 1
-        if calls[0] == 2:
-            os._exit(17)
-        real(*args)  # type: ignore[arg-type]
+    def dying(real: Callable[..., None]) -> Callable[..., None]:
+        def transfer(*args: object) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(17)
+            real(*args)
 
-    shared_load.broadcast_buffers = dying  # type: ignore[assignment]
+        return transfer
+
+    shared_load.send_buffers = dying(shared_load.send_buffers)  # type: ignore[assignment]
+    shared_load.recv_buffers = dying(shared_load.recv_buffers)  # type: ignore[assignment]
 
 
-def load(ctx: DistContext, run_dir: Path, mode: str, how: str = "shared") -> None:
+def load(ctx: DistContext, run_dir: Path, mode: str, how: str) -> None:
     """Resume a differently seeded model and optimizer; note whether they now equal the saved ones."""
     ckpt = Checkpointer(CkptConfig(timeout_s=30, load=how), run_dir, ctx, {"note": "shard"})  # type: ignore[arg-type]
     ckpt.setup()
@@ -109,14 +121,17 @@ def load(ctx: DistContext, run_dir: Path, mode: str, how: str = "shared") -> Non
         for i, s in opt.state_dict()["state"].items()
         for k, v in s.items()
     )
-    out = {
+    out: dict[str, object] = {
         "equal": equal,
         "writer": point.checkpoint.manifest.writer,
         "saved_world": point.checkpoint.manifest.world_size,
         "rng": local["rng"] if local else None,
         "bytes_read": bytes_read() - before,
     }
-    suffix = "" if how == "shared" else f"-{how}"
+    if mode == "nodes":
+        plan = point.checkpoint.writer.load_plan(point.checkpoint.manifest, ctx.world_size, nodes_of(ctx.hosts))
+        out["plan_reads"] = plan.reads(ctx.rank)
+    suffix = "" if how == "shared" or mode == "nodes" else f"-{how}"
     (run_dir / f"loaded-{mode}{suffix}-{ctx.world_size}-rank{ctx.rank}.json").write_text(json.dumps(out))
 
 

@@ -175,7 +175,7 @@ class Run:
         self.progress.close()
         why = trainer.stopped_because  # train.early_stop or a hook: a normal end before max_steps
         done = f"finished early at step {trainer.step}: {why}" if why else f"done: {trainer.step} steps"
-        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir))
+        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir), extra=trainer.console_extra())
         ending = "finished_early" if why else "completed"
         self._end(ending, 0, **({"reason": why} if why else {}))  # before the artifacts: the report tells it too
         if self.cfg.log.track_artifacts and ctx.is_main:

@@ -1,5 +1,6 @@
 """The sharded checkpoint writer across processes: 2 ranks save their shares; 2 or 3 ranks resume with the
-shared load (each reads and verifies its share of the files, the rest arrives from the other ranks)."""
+shared load (each rank, or each host's ranks, read and verify a share of the files, the rest arrives from
+the other ranks)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from helpers import TESTS_DIR, env_for_subprocess, folder_bytes
 pytestmark = pytest.mark.dist
 
 
-def worker(nproc: int, mode: str, run_dir: Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def worker(nproc: int, mode: str, run_dir: Path, ok: bool = True, *extra: str) -> subprocess.CompletedProcess[str]:
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir)]
+    cmd = [sys.executable, *launch, str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env_for_subprocess())
     assert (done.returncode == 0) == ok, done.stderr[-3000:]
     return done
@@ -51,7 +52,7 @@ def test_ranks_share_the_load_fall_back_together_survive_a_lost_rank_and_resume_
     # Each rank read only its share of both checkpoints tried: every byte once in total, none twice.
     assert sum(r["bytes_read"] for r in two) == step1 + step2
     assert all(r["bytes_read"] < 0.7 * (step1 + step2) for r in two)
-    # ckpt.load=every-rank (auto's choice on one host): each rank reads what it needs itself, nothing is sent.
+    # ckpt.load=every-rank (what auto does on one host): each rank reads what it needs itself, nothing is sent.
     every = json.loads((tmp_path / "loaded-save-every-rank-2-rank1.json").read_text())
     assert every["equal"] and 0.9 * step1 < every["bytes_read"] <= step1
 
@@ -60,10 +61,18 @@ def test_ranks_share_the_load_fall_back_together_survive_a_lost_rank_and_resume_
     died = worker(2, "die", tmp_path, ok=False)
     assert not list(tmp_path.glob("loaded-die-*")), died.stderr[-3000:]
     assert folder_bytes(ckpts) == before
-    # The restart (here at world size 3: the shares are re-derived for 3 ranks) resumes bit-exact.
-    worker(3, "load", tmp_path)
-    three = loaded(tmp_path, "load", 3)
-    assert sum(r["bytes_read"] for r in three) == step1
+    # The restart (here at world size 3, as if ranks 0 and 1 ran on host a and rank 2 on host b: ckpt.load=auto
+    # splits the files over the hosts, not the ranks) resumes bit-exact. Host a's ranks both read a's share
+    # (one page cache), b reads the rest; each file is read on one host only: storage reads it once.
+    worker(3, "nodes", tmp_path, True, "a,a,b")
+    three = loaded(tmp_path, "nodes", 3)
+    sizes = manifest["files"]
+    for r in three:
+        assert r["bytes_read"] == sum(sizes[n]["size"] for n in r["plan_reads"])
+    host_a, host_b = set(three[0]["plan_reads"]) | set(three[1]["plan_reads"]), set(three[2]["plan_reads"])
+    assert not host_a & host_b and host_a | host_b == set(sizes)
+    assert sum(sizes[n]["size"] for n in host_a | host_b) == step1 and 0 < len(host_b) < len(sizes)
+    assert three[0]["bytes_read"] > 0.3 * step1 and three[2]["bytes_read"] > 0.3 * step1
     for world, results in ((2, two), (3, three)):
         for rank, result in enumerate(results):
             assert result["equal"] and result["writer"] == "sharded" and result["saved_world"] == 2

@@ -67,6 +67,8 @@ def test_workers_exiting_2_end_the_launch_with_2_and_no_restart(tmp_path: Path) 
         assert r.returncode == 2, (attempt, r.stderr[-2000:])
         assert "no prepared corpus in" in r.stderr and "Traceback" not in r.stderr
         assert "restart(s)" not in r.stderr and "bad input (a worker exited 2; not restarted)" in r.stderr
+        # One line per event: none of torchelastic's per-process W/E log lines beside the launcher's.
+        assert not re.search(r"^[WE]\d{4} \d\d:\d\d:\d\d", r.stderr, re.MULTILINE), r.stderr[-2000:]
 
 
 @pytest.mark.timeout(180)

@@ -69,6 +69,13 @@ def assert_interrupted_with_checkpoint(run_dir: Path, log: Path, agent_traceback
     return int(event["step"])
 
 
+def assert_quiet_stop(text: str) -> None:
+    """An intended stop under `ddptrain launch` says itself in ddptrain's lines only: none of torchelastic's
+    W/E log lines, no multiprocessing resource-tracker warning (issue 38, item 14)."""
+    assert not re.search(r"^[WE]\d{4} \d\d:\d\d:\d\d", text, re.MULTILINE), text[-3000:]
+    assert "leaked semaphore" not in text and "resource_tracker" not in text, text[-3000:]
+
+
 def assert_same_weights(a: Path, b: Path) -> None:
     ref, got = final_model_state(a), final_model_state(b)
     assert ref.keys() == got.keys()
@@ -118,6 +125,7 @@ def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exa
     assert proc.wait(90) == EXIT_INTERRUPTED, (tmp_path / "first.log").read_text()[-3000:]
     step = assert_interrupted_with_checkpoint(run_dir, tmp_path / "first.log")
     assert "the workers committed a checkpoint" in (tmp_path / "first.log").read_text()
+    assert_quiet_stop((tmp_path / "first.log").read_text())
 
     again = start(argv, tmp_path / "second.log")
     assert again.wait(180) == 0, (tmp_path / "second.log").read_text()[-3000:]
@@ -200,5 +208,6 @@ def test_the_first_stop_signal_decides_the_exit_code(
     assert "Traceback" not in text
     if launch:
         assert f"ddptrain launch: stopped by {first};" in text
+        assert_quiet_stop(text)
     [*_, ending] = [r for r in read_metrics(run_dir, "event") if r["event"] in ("interrupted", "preempted")]
     assert (ending["exit_code"], ending["signal"]) == (code, first)

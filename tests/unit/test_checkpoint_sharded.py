@@ -113,6 +113,33 @@ def test_a_shared_load_plan_gives_every_file_one_reader_and_every_rank_a_fair_sh
             ]
 
 
+@pytest.mark.parametrize("nodes", [(0, 0), (0, 0, 1, 1), (0, 0, 1), (0, 1, 1, 2), (0, 1, 0, 1)])
+def test_a_plan_by_node_reads_each_file_on_one_node_and_sends_each_rank_what_it_lacks(
+    tmp_path: Path, nodes: tuple[int, ...]
+) -> None:
+    ckpt = save_as_ranks(tmp_path / "step-00000001", 2, seed=4)
+    sizes = {name: entry.size for name, entry in ckpt.manifest.files.items()}
+    plan = ShardedWriter().load_plan(ckpt.manifest, len(nodes), nodes)
+    read_on = {n: {nodes[r] for r in range(len(nodes)) if n in plan.reads(r)} for n in sizes}
+    assert all(len(on) == 1 for on in read_on.values())  # storage reads every byte once, on one node
+    per_node = [sum(sizes[n] for n, on in read_on.items() if on == {node}) for node in sorted(set(nodes))]
+    assert max(per_node) - min(per_node) <= max(sizes.values())  # the greedy partition, over nodes
+    for name in plan.shared:  # each rank of the reading node reads (and verifies) a shared file itself
+        (node,) = read_on[name]
+        assert {r for r in range(len(nodes)) if name in plan.reads(r)} == {r for r, m in enumerate(nodes) if m == node}
+    routes = plan.routes()
+    got = {(name, dst) for name, _, dst in routes}
+    assert len(got) == len(routes)  # nothing arrives twice
+    for rank in range(len(nodes)):  # every rank ends up with every shared content, read or received
+        assert {n for n in plan.shared if (n, rank) in got} | set(plan.keeps(rank)) >= plan.shared
+        assert not {n for n in plan.shared if (n, rank) in got} & set(plan.reads(rank))
+    assert all(src in plan.readers[name] and nodes[src] != nodes[dst] for name, src, dst in routes)
+    senders = {src for _, src, _ in routes}
+    assert len(set(nodes)) == 1 or len(senders) >= min(nodes.count(m) for m in set(nodes))  # the work is shared
+    if len(set(nodes)) == 1:
+        assert routes == []  # one host: nothing travels
+
+
 def test_checkpointer_saves_sharded_by_default_sync_equals_async(tmp_path: Path) -> None:
     for mode in (False, True):
         c = Checkpointer(CkptConfig(async_save=mode), tmp_path / str(mode), DistContext(), {})

@@ -24,6 +24,8 @@ from helpers import TINY
 from ddptrain.cli import main
 from ddptrain.config import Config, describe_fields, load_config
 from ddptrain.data.corpus import prepare_corpus
+from ddptrain.models.gpt import GPT
+from ddptrain.train.schedules import config_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
@@ -225,6 +227,27 @@ def check_help_config(command: str, tmp: Path) -> None:
     """`--help-config` prints every section the configuration reference documents."""
     rc, out, _ = _ddptrain(shlex.split(command)[1:], tmp)
     assert rc == 0 and all(f"\n{s}:" in "\n" + out for s in Config.model_fields)
+
+
+def test_readme_sample_shows_what_the_default_config_determines() -> None:
+    """Beyond the losses and speeds (which depend on the corpus, torch, threads and CPU: README says so), the
+    sample's numbers follow from the default config: checked exactly, without training."""
+    cfg = load_config()
+    sample = [line for line in _block_after(ROOT / "README.md", "then trains a 0.84M") if line != "..."]
+    params = sum(p.numel() for p in GPT(cfg.model).parameters()) / 1e6
+    t, plan = cfg.train, config_plan(cfg)
+    batch = f"global batch {t.global_batch_size} = {cfg.data.micro_batch_size} x 1 x "
+    assert any(f"{batch}{t.global_batch_size // cfg.data.micro_batch_size}, {params:.2f}M" in x for x in sample)
+    steps = [re.match(r"step +(\d+)/(\d+) .* lr (\S+)", x) for x in sample]
+    shown = [(int(m[1]), int(m[2]), m[3]) for m in steps if m]
+    assert len(shown) >= 4
+    for step, total, lr in shown:
+        assert total == t.max_steps and lr == f"{t.lr * plan.factor(step):.2e}", (step, lr)
+    evals = [int(m[1]) for m in (re.match(r"step +(\d+)  val_loss", x) for x in sample) if m]
+    commits = [int(m[1]) for m in (re.match(r"checkpoint step (\d+) committed", x) for x in sample) if m]
+    assert evals and all(s % t.eval_every == 0 or s == t.max_steps for s in evals)
+    assert commits and all(s % cfg.ckpt.every_steps == 0 or s == t.max_steps for s in commits)
+    assert sample[-1] == f"done: {t.max_steps} steps; checkpoints in runs/default/checkpoints"
 
 
 def check_train_output_shape(command: str, tmp: Path, corpus_dir: Path) -> None:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from ddptrain.errors import LaunchError
 from ddptrain.ft_env import read_ft_env
+from ddptrain.train.in_place import plain_error
 
 
 def test_absent_means_the_plain_mode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,3 +53,14 @@ def test_bad_variables_are_one_line(monkeypatch: pytest.MonkeyPatch, variables: 
     with pytest.raises(LaunchError) as e:
         read_ft_env()
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_transport_error_is_shown_as_a_user_reads_it() -> None:
+    """Issue 38, item 14: gloo's source location and advice, and emoji, stay out of the in-place mode's warnings."""
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:11138. This is typically caused by a remote worker crashing. Check the logs of the remote worker"
+    )
+    assert plain_error(gloo) == "Connection closed by peer [127.0.0.1]:11138"
+    assert plain_error("\u274c quorum failed [/src/lib.rs:40] \U0001f525 deadline") == "quorum failed deadline"
+    assert len(plain_error("x" * 5000)) == 200

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
 import pytest
 
 from ddptrain.cli import main
+from ddptrain.launch.agent import QuietStops
 from ddptrain.launch.launcher import exit_code_for
 from ddptrain.launch.torchrun_args import default_run_id, interface_of
 
@@ -154,3 +156,21 @@ def test_job_exit_code_from_worker_codes() -> None:
 def test_interface_lookup() -> None:
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+
+
+def test_torch_lines_the_launcher_says_in_its_own_words_are_dropped_and_others_kept() -> None:
+    """Issue 38, item 14: torchelastic's per-process lines of a stop or a failure give way to the launcher's one
+    line; its other lines (a rendezvous, a restart's reason) still reach stderr."""
+    quiet = QuietStops()
+
+    def kept(msg: str, *args: object) -> bool:
+        return quiet.filter(
+            logging.LogRecord("torch.distributed.elastic", logging.WARNING, "api.py", 1, msg, args, None)
+        )
+
+    assert not kept("Received %s death signal, shutting down workers", 2)
+    assert not kept("Closing process %s via signal %s", 123, "SIGINT")
+    assert not kept("Terminating process %s via signal SIGTERM", 123)
+    assert not kept("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)", 130, 0, 1, "f", "x")
+    assert kept("[%s] Rendezvous complete for workers. Result:", "default")
+    assert kept("Detected %s new nodes from group_rank=%s; will restart worker group", 1, 0)

@@ -149,3 +149,28 @@ def test_train_refuses_bad_adapters_in_one_line(
         ["train", *tiny_args, f"model.init_from={base}", "model.peft={target_modules: [ln1]}"], capsys
     )
     assert "peft cannot add LoRA adapters to GPT: Target module LayerNorm" in line
+
+
+def test_transformers_loading_bar_shows_on_the_first_process_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 38, item 14: a pretrained model's "Loading weights" bar once per job (rank 0), not once per rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ddptrain.config import HFModelConfig
+    from ddptrain.models.hf import build_hf_model
+
+    tiny = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    LlamaForCausalLM(tiny).save_pretrained(str(tmp_path))
+    monkeypatch.delenv("DDPTRAIN_REPLICA_GROUP", raising=False)
+    try:
+        for rank, shown in (("0", True), ("1", False)):
+            monkeypatch.setenv("RANK", rank)
+            capfd.readouterr()
+            build_hf_model(HFModelConfig(pretrained=str(tmp_path)), 32)
+            assert ("Loading weights" in capfd.readouterr().err) == shown, rank
+    finally:
+        hf_logging.enable_progress_bar()

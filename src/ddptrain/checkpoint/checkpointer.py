@@ -18,7 +18,7 @@ writes the manifest, fsyncs the folder, renames it to `step-00000100` (atomic on
 the parent. A crash at any point leaves either the
 old set of committed checkpoints or the new one. Pruning follows a commit (in a thread of its own,
 joined by the next save and by wait()) and touches only the current timeline (store.py). Resume
-verifies and reads in one pass (verify.py; several ranks each verify about 1/W and exchange the
+verifies and reads in one pass (verify.py; several ranks share it out by node and exchange the
 rest, shared_load.py), checks the config (compat.py), and moves checkpoints newer than its starting
 point into checkpoints/archive/.
 """
@@ -46,6 +46,7 @@ from ddptrain.checkpoint.durable import write_durable
 from ddptrain.checkpoint.formats.base import CheckpointFormat
 from ddptrain.checkpoint.formats.registry import checkpoint_format
 from ddptrain.checkpoint.lease import live_tokens
+from ddptrain.checkpoint.load_plan import nodes_of
 from ddptrain.checkpoint.manifest import (
     MANIFEST,
     TMP_PREFIX,
@@ -334,15 +335,15 @@ class Checkpointer:
         """The checkpoint to resume from by ckpt.resume, verified and config-checked; None to start fresh.
 
         Rank 0 decides and every rank receives its decision, so all ranks load the same one. Several
-        ranks verify it together (shared_load.py: each reads about 1/W of it) and then receive the rest
-        from the ranks that verified it; one process verifies every file itself.
+        ranks verify it together (shared_load.py: each node reads about 1/N of it, by ckpt.load) and then
+        receive the rest from the ranks that verified it; one process verifies every file itself.
         """
         if not self.ctx.is_distributed:
             found = self._choose(warn)
             if found is not None:
                 self.policy.newest_committed = found.checkpoint.step
             return found
-        loader = SharedLoad(self.ctx.rank, self.ctx.world_size, self._group, every_rank=self._every_rank_reads())
+        loader = SharedLoad(self.ctx.rank, self.ctx.world_size, self._group, self._nodes())
         candidates: list[Path] = []
         existing: list[Path] = []
         error: str | None = None
@@ -365,11 +366,15 @@ class Checkpointer:
         self.policy.newest_committed = manifest.step
         return ResumePoint(loader.exchange(ckpt), changes)
 
-    def _every_rank_reads(self) -> bool:
-        """ckpt.load: auto reads on every rank when the job is on one host (the ranks share its page cache)."""
-        if self.cfg.load == "auto":
-            return len(set(self.ctx.hosts)) <= 1
-        return self.cfg.load == "every-rank"
+    def _nodes(self) -> tuple[int, ...]:
+        """Each rank's node for the shared load, by ckpt.load: auto groups the ranks by host (the ranks of
+        one host share its page cache), every-rank puts them all on one, shared gives each its own."""
+        world = self.ctx.world_size
+        if self.cfg.load == "every-rank":
+            return (0,) * world
+        if self.cfg.load == "auto" and len(self.ctx.hosts) == world:
+            return nodes_of(self.ctx.hosts)
+        return tuple(range(world))
 
     def _decide(
         self,

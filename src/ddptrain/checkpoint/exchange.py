@@ -1,11 +1,12 @@
-"""Sending verified file contents from the rank that read them to every other rank, in bounded chunks.
+"""Sending verified file contents from a rank that read them to a rank of another node, in bounded chunks.
 
 A content (what a format's decode() returned: bytes, or dicts and lists holding tensors) travels as
 a small description (its structure with every tensor and bytes object replaced by a Slot, and each
-one's dtype and shape) and then its buffers' raw bytes, broadcast from the owner. Receivers allocate
-every buffer once, at its final size, and the bytes land in it: a buffer of CHUNK bytes or more is
-broadcast straight into its memory, slice by slice; smaller ones travel packed together into one
-CHUNK-sized staging buffer. So a rank holds the state once, plus at most one CHUNK in flight.
+one's dtype and shape) and then its buffers' raw bytes, sent point to point (gloo send/recv) from a
+reader to each rank that needs it. Receivers allocate every buffer once, at its final size, and the
+bytes land in it: a buffer of CHUNK bytes or more is received straight into its memory, slice by
+slice; smaller ones travel packed together into one CHUNK-sized staging buffer. So a rank holds the
+state once, plus at most one CHUNK in flight.
 """
 
 from __future__ import annotations
@@ -91,35 +92,43 @@ def _raw(b: Buffer) -> torch.Tensor:
         return torch.frombuffer(b, dtype=torch.uint8)
 
 
-def broadcast_buffers(buffers: list[Buffer], src: int, me: int, group: dist.ProcessGroup | None) -> None:
-    """Every rank together: src's buffers' bytes into every other rank's buffers of the same sizes."""
+def _pieces(views: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The messages that carry these buffers: a slice of at most CHUNK bytes of a big one, or several
+    small ones packed together (a list of more than one view); the same on sender and receiver."""
+    out: list[list[torch.Tensor]] = []
     pending: list[torch.Tensor] = []  # small buffers waiting to travel together
     packed = 0
-
-    def flush() -> None:
-        nonlocal packed
-        if len(pending) == 1:  # nothing to pack with: straight into its memory
-            dist.broadcast(pending[0], src=src, group=group)
-        elif pending:
-            staging = torch.cat(pending) if me == src else torch.empty(packed, dtype=torch.uint8)
-            dist.broadcast(staging, src=src, group=group)
-            if me != src:
-                _unpack(staging, pending)
-        pending.clear()
-        packed = 0
-
-    for view in (_raw(b) for b in buffers):
+    for view in views:
         n = view.numel()
+        if n >= CHUNK or (pending and packed + n > CHUNK):
+            if pending:
+                out.append(pending)
+            pending, packed = [], 0
         if n >= CHUNK:
-            flush()
-            for start in range(0, n, CHUNK):
-                dist.broadcast(view[start : start + CHUNK], src=src, group=group)
+            out.extend([view[start : start + CHUNK]] for start in range(0, n, CHUNK))
         elif n:
-            if packed + n > CHUNK:
-                flush()
             pending.append(view)
             packed += n
-    flush()
+    if pending:
+        out.append(pending)
+    return out
+
+
+def send_buffers(buffers: list[Buffer], dst: int, group: dist.ProcessGroup | None) -> None:
+    """Send the buffers' bytes to rank dst of group (which runs recv_buffers on buffers of the same sizes)."""
+    for piece in _pieces([_raw(b) for b in buffers]):
+        dist.send(piece[0] if len(piece) == 1 else torch.cat(piece), group=group, group_dst=dst)
+
+
+def recv_buffers(buffers: list[Buffer], src: int, group: dist.ProcessGroup | None) -> None:
+    """Receive into the buffers the bytes rank src of group sends with send_buffers."""
+    for piece in _pieces([_raw(b) for b in buffers]):
+        if len(piece) == 1:  # nothing packed with it: straight into its memory
+            dist.recv(piece[0], group=group, group_src=src)
+        else:
+            staging = torch.empty(sum(v.numel() for v in piece), dtype=torch.uint8)
+            dist.recv(staging, group=group, group_src=src)
+            _unpack(staging, piece)
 
 
 def _unpack(staging: torch.Tensor, views: list[torch.Tensor]) -> None:

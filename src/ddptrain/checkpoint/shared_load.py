@@ -1,45 +1,51 @@
-"""The shared load: W ranks resume together, each reading and verifying about 1/W of a checkpoint.
+"""The shared load: W ranks on N nodes resume together, each node reading and verifying about 1/N of a checkpoint.
 
 For each candidate (newest first, or the one ckpt.resume names), on the checkpoint's own process group:
 
 1. rank 0 checks the manifest (folder, checksum, step, writer, required files; no listed file is
    opened) and sends it to every rank (one broadcast);
 2. every rank reads and verifies its share: the files the format's load_plan() gives it (split by
-   size), each read once and decoded while hashed (verify.read_files);
+   size over the nodes; on its node every rank reads the files it needs itself), each read once and
+   decoded while hashed (verify.read_files);
 3. every rank's verdict goes to every rank (one all-gather): if any share failed, every rank drops
    what it read and the next older candidate is tried, rank 0 naming the bad file (a checkpoint
    named by ckpt.resume is refused instead);
-4. only after the checkpoint is chosen (exchange()), each owner broadcasts the contents every rank
-   needs, in bounded chunks (exchange.py). Nothing reaches the model or optimizer before that ends.
+4. only after the checkpoint is chosen (exchange()), the contents a rank needs and did not read are
+   sent to it by a rank of the node that read them, in bounded chunks (exchange.py). Nothing
+   reaches the model or optimizer before that ends.
 
-Files reach storage once per resume in total, whatever W, and any world size loads any checkpoint:
-the split is computed for the current W. With `every_rank` (ckpt.load: every-rank, or auto on one host)
-each rank also reads and verifies every shared file itself and nothing is exchanged: on one host the
-ranks share the page cache, so reading is cheaper than sending (docs/benchmarks.md); the verdicts are
-still agreed, so every rank falls back together. One process (no process group) verifies everything itself
-(verify_checkpoint), as before.
+Files reach storage once per resume in total (once per node that reads them, and each file is read
+on one node), and any world size loads any checkpoint: the split is computed for the current layout.
+The ranks of one node share its page cache, so a second read there is cheaper than sending over
+loopback (docs/benchmarks.md), and each rank hashes every byte it uses itself or receives it from a
+rank that hashed exactly those bytes. `nodes` (checkpointer.py, by ckpt.load) is each rank's node:
+by host (auto), one node (every-rank: nothing is sent) or a node per rank (shared: each rank reads
+1/W). One process (no process group) verifies everything itself (verify_checkpoint), as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from ddptrain.checkpoint.exchange import allocate, broadcast_buffers, describe, flatten, rebuild
+from ddptrain.checkpoint.exchange import allocate, describe, flatten, rebuild, recv_buffers, send_buffers
 from ddptrain.checkpoint.manifest import Manifest
 from ddptrain.checkpoint.verify import VerifiedCheckpoint, checked_manifest, read_files
 from ddptrain.errors import CheckpointError, DdptrainError
 
 
 class SharedLoad:
-    """The shared load of one resume, by every rank of `group` together (rank, world_size: in that group)."""
+    """The shared load of one resume, by every rank of `group` together (rank, world_size: in that group;
+    nodes: each rank's node in rank order, None for a node per rank)."""
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None, every_rank: bool = False) -> None:
+    def __init__(
+        self, rank: int, world_size: int, group: dist.ProcessGroup | None, nodes: Sequence[int] | None = None
+    ) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.every_rank = every_rank  # each rank reads every shared file itself: no exchange
+        self.nodes = tuple(range(world_size)) if nodes is None else tuple(nodes)
 
     def search(
         self, candidates: list[Path], warn: Callable[[str], None], named: bool
@@ -87,14 +93,11 @@ class SharedLoad:
         """All ranks: read and verify this rank's share, then agree; (checkpoint with this rank's share, None)
         when every share verified, else (None, the first failure in name order, the same on every rank)."""
         ckpt = VerifiedCheckpoint(path, manifest)
-        plan = ckpt.writer.load_plan(manifest, self.world_size)
+        plan = ckpt.writer.load_plan(manifest, self.world_size, self.nodes)
         failure: str | None = None
         contents: dict[str, Any] = {}
-        reads, keeps = plan.reads(self.rank), plan.keeps(self.rank)
-        if self.every_rank:  # the shared files too, besides this rank's share of the rest
-            reads, keeps = sorted(set(reads) | plan.shared), keeps | plan.shared
         try:
-            contents = read_files(path, manifest, reads, keeps)
+            contents = read_files(path, manifest, plan.reads(self.rank), plan.keeps(self.rank))
         except CheckpointError as e:
             failure = str(e)
         except OSError as e:  # an I/O error mid-file rejects the checkpoint like a bad digest
@@ -107,24 +110,26 @@ class SharedLoad:
         return VerifiedCheckpoint(path, manifest, contents), None
 
     def exchange(self, ckpt: VerifiedCheckpoint) -> VerifiedCheckpoint:
-        """All ranks, once every share verified and the checkpoint is chosen: each owner sends what every
-        rank needs; the checkpoint with every content this rank uses. A rank lost on the way fails every
-        other rank's resume here (DdptrainError, exit 1), before anything was loaded."""
-        if self.every_rank:
-            return ckpt  # every rank read what it needs
-        plan = ckpt.writer.load_plan(ckpt.manifest, self.world_size)
+        """All ranks, once every share verified and the checkpoint is chosen: each content a rank needs and
+        did not read arrives from a rank of the node that read it; the checkpoint with every content this
+        rank uses. A rank lost on the way fails every other rank's resume here (DdptrainError, exit 1),
+        before anything was loaded."""
+        routes = ckpt.writer.load_plan(ckpt.manifest, self.world_size, self.nodes).routes()
+        if not routes:
+            return ckpt  # one node: every rank read what it needs
         contents = dict(ckpt.contents or {})
-        mine = {n: flatten(contents[n]) for n in plan.reads(self.rank) if n in plan.shared}
+        mine = {n: flatten(contents[n]) for n in sorted({n for n, src, _ in routes if src == self.rank})}
         offers: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(offers, {n: (s, describe(b)) for n, (s, b) in mine.items()}, group=self.group)
-            for owner, offered in enumerate(offers):
-                for name in sorted(offered):
-                    structure, specs = offered[name]
-                    buffers = mine[name][1] if owner == self.rank else allocate(specs)
-                    broadcast_buffers(buffers, owner, self.rank, self.group)
-                    if owner != self.rank:
-                        contents[name] = rebuild(structure, buffers)
+            for name, src, dst in routes:
+                if src == self.rank:
+                    send_buffers(mine[name][1], dst, self.group)
+                elif dst == self.rank:
+                    structure, specs = offers[src][name]
+                    buffers = allocate(specs)
+                    recv_buffers(buffers, src, self.group)
+                    contents[name] = rebuild(structure, buffers)
         except RuntimeError as e:  # gloo/NCCL: a peer gone or timed out
             raise DdptrainError(
                 f"resuming from {ckpt.path.name} failed while the ranks exchanged its verified files "
@@ -133,10 +138,12 @@ class SharedLoad:
         return VerifiedCheckpoint(ckpt.path, ckpt.manifest, contents)
 
 
-def load_shared(path: Path, rank: int, world_size: int, group: dist.ProcessGroup | None) -> VerifiedCheckpoint:
-    """Every rank of group together: the checkpoint at path, shared-loaded (each rank read about 1/W of it);
-    CheckpointError on every rank when it does not verify. For benchmarks and one-off loads."""
-    loader = SharedLoad(rank, world_size, group)
+def load_shared(
+    path: Path, rank: int, world_size: int, group: dist.ProcessGroup | None, nodes: Sequence[int] | None = None
+) -> VerifiedCheckpoint:
+    """Every rank of group together: the checkpoint at path, shared-loaded (each node read about 1/N of it;
+    nodes as SharedLoad's); CheckpointError on every rank when it does not verify. For benchmarks and one-off loads."""
+    loader = SharedLoad(rank, world_size, group, nodes)
     ckpt, failure = loader.search([path], lambda _: None, named=True)
     if ckpt is None:
         raise CheckpointError(failure or f"{path.name}: not a checkpoint")

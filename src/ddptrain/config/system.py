@@ -135,7 +135,7 @@ class CkptConfig(Section):
     )
     load: Literal["auto", "shared", "every-rank"] = Field(
         "auto",
-        description="How ranks resume: shared (each rank reads and verifies about 1/W of the checkpoint, the rest arrives over the network: storage reads it once per job), every-rank (each rank reads and verifies every file it needs: fastest when the ranks share one host's page cache) or auto (shared when the job spans several hosts, every-rank on one host). Either way every byte is verified before anything loads.",
+        description="How ranks resume: auto (the checkpoint's files are split over the hosts: each host's ranks read and verify that host's share themselves, sharing its page cache, and receive the rest from the other hosts: storage reads it once per job), every-rank (each rank reads and verifies every file it needs, nothing is sent) or shared (each rank reads and verifies about 1/W, the rest arrives from the other ranks, even on one host). Either way every byte is verified before anything loads.",
     )
 
 

@@ -16,8 +16,10 @@ launcher.py runs it and turns its outcome into the job's exit code.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
@@ -60,12 +62,14 @@ class Agent(LocalElasticAgent):
         # the new workers' spawn, handed to them in AGENT_MARKS_ENV.
         self.recovery_marks: dict[str, float] = {}
         self.stop_signal: signal.Signals | None = None  # the first stop signal: it decides (see _first_signal)
+        self.failures: dict[int, ProcessFailure] = {}  # of the workers that just failed (said at the restart)
         self.hurried = False  # a later Ctrl-C was passed on to the workers
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
             self.recovery_marks.setdefault("failure_seen", time.time())
+            self.failures = dict(result.failures)
         if result.is_failed() and any(f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
             if self._stopped_for_newcomer(result):
                 say("the workers stopped together with another node's, for a node joining: re-forming the group")
@@ -97,6 +101,10 @@ class Agent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.recovery_marks.setdefault("failure_seen", time.time())  # or a node waiting to join
+        if self.failures:  # one line per restart, in place of torch's per-process log lines
+            left = self._remaining_restarts  # already counted down for this restart
+            say(f"{describe_failure(self.failures)}; restarting the workers ({left} restart(s) left)")
+            self.failures = {}
         super()._restart_workers(worker_group)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -176,6 +184,38 @@ class Agent(LocalElasticAgent):
                 os.kill(pid, signal.SIGINT)
             except OSError:
                 pass  # already gone
+
+
+class QuietStops(logging.Filter):
+    """Drops torchelastic's per-process log lines about stopping workers: the launcher says each event in
+    one line of its own (`stopped by SIGINT; ...`, `rank 1 (host) ended with exit code 1...; restarting
+    the workers`, `job failed ...`), and each worker names its own error."""
+
+    LOGGERS = (
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.multiprocessing.spawn",
+    )
+    REPLACED = ("Received %s death signal", "Closing process", "Terminating process", "failed (exitcode: %s)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a line the launcher's own line replaces."""
+        return not str(record.msg).startswith(self.REPLACED)
+
+    def install(self) -> None:
+        """Attach to torch's loggers of the worker processes' life."""
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+
+def describe_failure(failures: dict[int, ProcessFailure]) -> str:
+    """The first failed worker in one phrase: its rank, this host, its exit code or signal, and its error."""
+    rank, first = min(failures.items(), key=lambda kv: kv[1].timestamp)
+    how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
+    # The error file written by record() in the worker holds {"message": {"message": "Type: text", ...}}.
+    cause = first.message.get("message", "") if isinstance(first.message, dict) else ""
+    said = f": {cause}" if cause else "" if first.exitcode < 0 else " (its error is in the log above)"
+    return f"rank {rank} ({socket.gethostname()}) ended with {how}{said}"
 
 
 class StallGuard(threading.Thread):

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.run import config_from_args, get_args_parser
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
-from ddptrain.launch.agent import Agent, StallGuard, handled_signals, make_agent, say
+from ddptrain.launch.agent import Agent, QuietStops, StallGuard, describe_failure, handled_signals, make_agent, say
 from ddptrain.launch.options import EXIT_OK, LaunchOptions
 from ddptrain.launch.worker_start import run_worker, use_preloaded_server
 from ddptrain.train.agent_watch import AGENT_PID_ENV
@@ -55,6 +54,7 @@ def run_job(options: LaunchOptions, env: dict[str, str], argv: list[str], note: 
         config.start_method = use_preloaded_server()
         entrypoint, entry_args = run_worker, ["", *options.command()]
     agent = make_agent(config, entrypoint, entry_args, options.exit_barrier_timeout)
+    QuietStops().install()
     StallGuard(agent).start()
     shutdown_rdzv = True
     try:
@@ -91,7 +91,7 @@ def _finished(agent: Agent, result: RunResult, options: LaunchOptions) -> int:
         say(f"another run took the run folder's lease (a worker exited {code}; not restarted): see its error above")
     else:
         allowed = agent.get_worker_group().spec.max_restarts
-        say(f"job failed after {allowed} restart(s) allowed: {_describe(result.failures)}")
+        say(f"job failed after {allowed} restart(s) allowed: {describe_failure(result.failures)}")
     return code
 
 
@@ -133,13 +133,3 @@ def _resumable_exit(code: int, options: LaunchOptions) -> int:
     """The launcher's exit code for a coordinated stop: a preemption exits --preempted-exit-code (a scheduler's
     restart policy may key on it), a Ctrl-C keeps its own code."""
     return options.preempted_exit_code if code == EXIT_PREEMPTED else code
-
-
-def _describe(failures: dict[int, ProcessFailure]) -> str:
-    rank, first = min(failures.items(), key=lambda kv: kv[1].timestamp)
-    how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-    # The error file written by record() in the worker holds {"message": {"message": "Type: text", ...}}.
-    cause = first.message.get("message", "") if isinstance(first.message, dict) else ""
-    return f"rank {rank} ({socket.gethostname()}) ended with {how}" + (
-        f": {cause}" if cause else " (its error is in the log above)"
-    )

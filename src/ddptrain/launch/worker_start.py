@@ -31,6 +31,13 @@ PRELOAD = ["ddptrain.launch.preload"]  # the imports, and stop signals ignored b
 WORKER_STARTS = ("preloaded", "exec")
 
 
+# The semaphores of torch's worker context belong to multiprocessing's resource tracker, a process of
+# its own started with this interpreter's -W options. A launcher that leaves without the interpreter's
+# teardown (after a stop signal, train/preemption.py) never unregisters them: the tracker then unlinks
+# them itself, as it should, but also warns "leaked semaphore objects" on every intended stop.
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
 def is_script(word: str) -> bool:
     """Whether a worker command's first word names a Python script (run as `python SCRIPT ARGS`, as torchrun
     runs one) rather than a ddptrain subcommand."""
@@ -40,6 +47,8 @@ def is_script(word: str) -> bool:
 def use_preloaded_server() -> str:
     """Make worker processes fork from a preloaded server; returns the start method for torch's agent."""
     multiprocessing.set_forkserver_preload(PRELOAD)
+    if _TRACKER_QUIET not in sys.warnoptions:  # read when the tracker starts (with the forkserver)
+        sys.warnoptions.append(_TRACKER_QUIET)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_exit_traceback)
     return "forkserver"
 

@@ -27,6 +27,7 @@ from ddptrain.config import HFModelConfig
 from ddptrain.data.collate import IGNORE_INDEX
 from ddptrain.data.tokenizer import require_hf
 from ddptrain.errors import ConfigError
+from ddptrain.ft_env import REPLICA_GROUP_ENV
 from ddptrain.models.gpt import shifted_pair
 
 
@@ -87,6 +88,16 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _one_progress_bar() -> None:
+    """transformers' "Loading weights" bar on the job's first process only (rank 0, of the first in-place group),
+    not once per rank on one console."""
+    first = os.environ.get("RANK", "0") == "0" and os.environ.get(REPLICA_GROUP_ENV, "0") == "0"
+    if not first:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _local_folder(path: str, key: str, needs: str) -> Path:
     folder = Path(path)
     if not (folder / needs).is_file():
@@ -125,6 +136,7 @@ def _check_model_types(cfg: HFModelConfig) -> None:
 def build_hf_model(cfg: HFModelConfig, block_size: int) -> HFCausalLM:
     """The transformers model named by model.hf, wrapped for the trainer."""
     _check_model_types(cfg)
+    _one_progress_bar()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:

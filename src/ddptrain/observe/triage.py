@@ -164,13 +164,21 @@ class Triage:
             os._exit(EXIT_FAILURE)  # the main thread is stuck: only a process exit ends it
 
     def failed(self, exc: BaseException, step: int) -> RankFailure:
-        """Record a failure in `step` (stacks, traceback, who arrived) and return the error to raise."""
+        """Record a failure in `step` (stacks, traceback, who arrived) and return the error to raise.
+
+        A rank whose collective failed because another rank failed on its own says so first, with that
+        rank's error, not the transport's (gloo's "Connection closed by peer" is in the stacks file)."""
         self.watchdog.stop()
         what = _first_line(exc)
-        report = self._check_in(is_collective_failure(exc), what) if self.ctx.is_distributed else ""
-        summary = (
-            f"rank {self.ctx.rank} on {self.ctx.hostname} failed in step {step}: {what}{report}; stacks in {self.path}"
-        )
+        collective = is_collective_failure(exc)
+        report, causes = self._check_in(collective, what) if self.ctx.is_distributed else ("", {})
+        who = f"rank {self.ctx.rank} on {self.ctx.hostname}"
+        if collective and causes:
+            r, cause = min(causes.items())
+            summary = f"{who} stopped in step {step} because rank {r} ({self.hosts[r]}) failed: {cause}"
+        else:
+            summary = f"{who} failed in step {step}: {what}{report}"
+        summary += f"; stacks in {self.path}"
         self._file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {summary}\n")
         self._file.write("".join(traceback.format_exception(exc)))
         self._file.write("--- all threads at the time of the report:\n")
@@ -200,7 +208,8 @@ class Triage:
         shown = ", ".join(f"{r} ({self.hosts[r]})" for r in ranks[:_SHOWN])
         return shown + (f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else "")
 
-    def _check_in(self, collective: bool, what: str) -> str:
+    def _check_in(self, collective: bool, what: str) -> tuple[str, dict[int, str]]:
+        """Check in on the job's store; ("; who did not arrive; who reported what", {rank: its own error})."""
         try:
             # Under plain torchrun (no such variable) the workers' own store.
             host, port = split_host_port(os.environ.get(TRIAGE_STORE_ENV, "")) or (
@@ -232,12 +241,13 @@ class Triage:
             waited = time.monotonic() - start
             errors = {r: store.get(keys[r]).decode() for r in present if r != self.ctx.rank}
         except (RuntimeError, KeyError, ValueError) as e:  # store gone with its host, link down, no torchrun
-            return f"; could not reach the job's store to see which ranks arrived ({_first_line(e)})"
+            return f"; could not reach the job's store to see which ranks arrived ({_first_line(e)})", {}
         parts = []
         missing = [r for r in range(self.ctx.world_size) if r not in present]
         if collective and missing:
             parts.append(f"did not arrive within {waited:.1f} s: rank {self._name(missing)}")
-        for r, err in sorted(errors.items()):
-            if err != "arrived" and len(parts) < _SHOWN:
+        causes = {r: err for r, err in sorted(errors.items()) if err != "arrived"}
+        for r, err in causes.items():
+            if len(parts) < _SHOWN:
                 parts.append(f"rank {r} ({self.hosts[r]}) reported {err}")
-        return "".join(f"; {p}" for p in parts)
+        return "".join(f"; {p}" for p in parts), causes

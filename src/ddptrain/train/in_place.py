@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -53,6 +54,19 @@ PROBE_S = 1.0  # a Lighthouse that does not accept a connection within this is g
 
 class QuorumAbandoned(Exception):
     """This rank left a pending quorum (leave() said so): its group stops at its last committed step."""
+
+
+# gloo's and torchft's error texts: a C++ source location, emoji, then advice for whoever reads a crash.
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|rs):\d+\]\s*")
+_ADVICE = (". This is typically", ". Check the logs")
+
+
+def plain_error(line: str) -> str:
+    """A transport error's first line as a user reads it: no source location, no emoji, no advice, bounded."""
+    text = _SOURCE.sub("", line).encode("ascii", "ignore").decode().strip()
+    for advice in _ADVICE:
+        text = text.split(advice)[0]
+    return " ".join(text.split())[:200]
 
 
 @dataclass(frozen=True)
@@ -331,7 +345,7 @@ class InPlaceSession:
             except QuorumAbandoned:
                 raise
             except Exception as e:  # torchft raises the quorum's own failure: a gRPC error, a timeout
-                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                why = plain_error((str(e).strip().splitlines() or [type(e).__name__])[0])
                 if time.monotonic() > give_up:
                     raise RuntimeError(
                         f"no quorum for {self.outage_s:g} s (dist.timeout_s) from the Lighthouse at "
@@ -358,9 +372,9 @@ class InPlaceSession:
         return self.manager.errored() is not None
 
     def error_line(self) -> str:
-        """The first line of this step's failure ("" when none)."""
+        """This step's failure in a short line ("" when none): plain_error() of its first line."""
         error = self.manager.errored()
-        return (str(error).strip().splitlines() or [""])[0] if error is not None else ""
+        return plain_error((str(error).strip().splitlines() or [""])[0]) if error is not None else ""
 
     def heal_again(self) -> None:
         """Fall behind every other group, so that the next quorum heals this one again."""

@@ -36,6 +36,7 @@ from ddptrain.errors import ConfigError, DdptrainError
 from ddptrain.models.loss import to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.recovery import RecoveryTimeline
+from ddptrain.observe.runlog import FILE_ONLY
 from ddptrain.train.agreement import (
     FROM_FOLDER,
     IN_JOB,
@@ -421,6 +422,12 @@ class InPlaceTrainer(Trainer):
         super().fit(stop_request, timeline)
 
     # ---- what only the writing group does ------------------------------------------------------------
+
+    def console_extra(self) -> dict[str, bool] | None:
+        """The writing group shows the job's once-only lines (start, val_loss, done); before the first quorum,
+        group 0. The others keep them in their ranks' log files."""
+        shown = self.writer if self.members else self.group_id == 0
+        return None if shown else FILE_ONLY
 
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
         """The writing group logs the step (loss, progress, certificate, hooks); the others keep its loss only."""

@@ -65,7 +65,8 @@ def resume_or_start(
     log.info(
         f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
         f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
-        f"{trainer.accum}, {n_params} parameters, run dir {cfg.run_dir}"
+        f"{trainer.accum}, {n_params} parameters, run dir {cfg.run_dir}",
+        extra=trainer.console_extra(),
     )
     warn_if_all_warm_up(cfg, trainer.step)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

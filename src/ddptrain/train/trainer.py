@@ -378,6 +378,11 @@ class Trainer:
             self.report_saves()
         self.checkpointer.policy.require_final(self.step)
 
+    def console_extra(self) -> dict[str, bool] | None:
+        """The logging `extra` of a line the job shows once on its console (start, val_loss, done): None, as
+        rank 0 alone prints; the in-place mode's groups each have a rank 0, and only one of them shows it."""
+        return None
+
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
         """All ranks: average the window's loss over ranks; the observers see the record, rank 0 writes and shows it
         (the step's host reads)."""
@@ -432,7 +437,8 @@ class Trainer:
         record.update({f"{SOURCE_VAL_LOSS}{name}": loss for name, loss in result.sources.items()})
         merge_metrics(record, {f"val_{k}": v for k, v in result.metrics.items()}, self.custom.origin)
         self.metrics.write("eval", **record)
-        log.info("step %6d  %s", self.step, "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step")
+        log.info("step %6d  %s", self.step, shown, extra=self.console_extra())
         self.hooks.call("on_eval", record)
         if self.early_stop is None:
             return verdict

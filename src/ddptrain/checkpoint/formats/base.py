@@ -8,13 +8,14 @@ trainer) and `local` (this rank's own, e.g. RNG streams) state and gets the same
 format needs of the model and optimizer goes through capture() and restore(), so the Trainer never
 asks which format it is. Reading is in two steps: verify.py reads every listed file once, hashing
 it while the format's decode() turns its bytes into objects; only when every hash matched does
-read() assemble the state from them. At a resume of several ranks, load_plan() says which rank
-reads and verifies each file and which contents every rank needs (shared_load.py sends them).
+read() assemble the state from them. At a resume of several ranks, load_plan() says which ranks
+read and verify each file and which contents every rank needs (shared_load.py sends them).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -99,18 +100,20 @@ class CheckpointFormat(ABC):
         By default the bytes themselves: torch.load runs on them only after they were verified."""
         return reader.read_all()
 
-    def load_plan(self, manifest: Manifest, world_size: int) -> LoadPlan:
+    def load_plan(self, manifest: Manifest, world_size: int, nodes: Sequence[int] | None = None) -> LoadPlan:
         """Who reads and verifies each listed file when world_size ranks resume together, and who needs it.
 
-        By default each rank's own local files (`<key>-rank<r>.pt`, at the saved world size) go to that
-        rank alone; every other file is needed by every rank, and the files are split by size so that
-        each rank reads about 1/world_size of the bytes. At another world size no rank resumes the
-        saved local files: they are verified (split like the rest) and dropped.
+        nodes: each rank's node (ranks of one node share its page cache); None: every rank a node of
+        its own. By default each rank's own local files (`<key>-rank<r>.pt`, at the saved world size)
+        go to that rank alone; every other file is needed by every rank, and the files are split by
+        size over the nodes so that each node reads about 1/N of the bytes (load_plan.py). At another
+        world size no rank resumes the saved local files: they are verified (split like the rest) and dropped.
         """
         local = {f"{k}-rank{r}.pt": r for k in LOCAL_KEYS for r in range(manifest.world_size)}
         same = manifest.world_size == world_size
         sizes = {name: entry.size for name, entry in manifest.files.items()}
-        return plan_by_size(sizes, local if same else {}, set() if same else set(local), world_size)
+        layout = range(world_size) if nodes is None else nodes
+        return plan_by_size(sizes, local if same else {}, set() if same else set(local), layout)
 
     @abstractmethod
     def read_shared(self, ckpt: ReadableCheckpoint, key: str) -> Any:

@@ -14,8 +14,9 @@ A part is b"DDPTPART", the header's length (8 bytes, little-endian), the header
 that order. Reading allocates every tensor and reads its bytes straight into it while they are
 hashed, so a load is one read of each file; a header's sizes must add up to the file's size
 before anything is allocated. Any world size reads any partition: at a resume of W ranks the
-files are split over the ranks by size (the default load_plan) and each part reaches the other
-ranks from the one that read and verified it (shared_load.py).
+files are split over the hosts by size (the default load_plan), every rank of a host reads its
+host's parts, and each part reaches the other hosts' ranks from a rank that read and verified it
+(shared_load.py).
 """
 
 from __future__ import annotations
