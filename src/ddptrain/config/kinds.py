@@ -94,7 +94,7 @@ GRAD_COMPRESSIONS = Registry(
     "a gradient compression",
     {
         "fp16": Kind(f"{_COMPRESSION}:Fp16", "gradients all-reduced as float16: half the bytes; NCCL and gloo"),
-        "bf16": Kind(f"{_COMPRESSION}:Bf16", "gradients all-reduced as bfloat16: half the bytes, fp32's range; NCCL only (gloo has no bf16 all-reduce)"),
+        "bf16": Kind(f"{_COMPRESSION}:Bf16", "gradients all-reduced as bfloat16: half the bytes, fp32's range; NCCL only, gloo has no bfloat16 all-reduce"),
         "powersgd": Kind(f"{_COMPRESSION}:PowerSgd", "rank-dist.powersgd_rank factors with error feedback from dist.powersgd_start_step: ~10-100x fewer bytes; NCCL and gloo"),
     },
     {NO_COMPRESSION: "fp32 all-reduce, every byte"},
