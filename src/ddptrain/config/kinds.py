@@ -1,7 +1,7 @@
 """Every named kind a config picks from, one line each: the only place each name is written.
 
-Adding a checkpoint format, a checksum, an experiment tracker or an LR schedule is its code in its
-own module plus its line here; the config accepts the name, lists it in its errors and in
+Adding a checkpoint format, a checksum, an experiment tracker, an LR schedule or a gradient compression is its
+code in its own module plus its line here; the config accepts the name, lists it in its errors and in
 `--help-config`, and the layer that uses it imports the code when a run asks for it (registry.py).
 """
 
