@@ -34,6 +34,7 @@ from ddptrain.train.in_place_trainer import check_in_place
         (["dist.grad_compression=powersgd", "dist.strategy=hsdp", "dist.shard_size=1"], "dist.strategy=hsdp"),
         (["dist.powersgd_rank=0"], "dist.powersgd_rank"),
         (["dist.powersgd_start_step=2"], "dist.powersgd_start_step"),
+        (["dist.grad_compression=powersgd", "train.precision=fp16"], "changing loss scale; use train.precision=bf16"),
     ],
 )
 def test_combinations_that_cannot_work_are_one_line_errors(overrides: list[str], message: str) -> None:
