@@ -50,6 +50,8 @@ def test_fp16_and_powersgd_train(corpus_dir: Path, tmp_path: Path, powersgd: Pat
         assert sorted(loss) == list(range(1, STEPS + 1))
         assert sum(loss[s] for s in (10, 11, 12)) < sum(loss[s] for s in (1, 2, 3)), (run, loss)
         assert all(m["grad_accum"] == 2 for m in read_metrics(run))
+    said = (powersgd / "logs" / "rank-0.log").read_text()
+    assert "dist.grad_compression=powersgd: 0.007296 MB per step's all-reduce instead of 0.0864 MB" in said
     assert local_files(fp16, STEPS) == []  # fp16 keeps no state
     assert local_files(powersgd, STEPS) == ["grad_compression-rank0.pt", "grad_compression-rank1.pt"]
     # Compression changes the numbers: PowerSGD (from step 3) trains other weights than fp16.

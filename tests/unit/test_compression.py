@@ -22,7 +22,7 @@ from ddptrain.config import Config, load_config
 from ddptrain.config.system import DistConfig
 from ddptrain.errors import ConfigError
 from ddptrain.observe.perf import StepTimer
-from ddptrain.train.compression import PowerSgd, attach, check_backend
+from ddptrain.train.compression import PowerSgd, attach, check_backend, payload_bytes
 from ddptrain.train.in_place_trainer import check_in_place
 
 
@@ -61,6 +61,16 @@ def test_the_in_place_mode_refuses_compression() -> None:
 def test_no_compression_registers_nothing_of_its_own() -> None:
     model = nn.Linear(2, 2)  # no DDP (one process): nothing to compress whatever the mode
     assert attach(DistConfig(grad_compression="powersgd"), model, StepTimer(torch.device("cpu"), False)) is None
+
+
+def test_bytes_per_step_by_hand() -> None:
+    params = list(_model().parameters())  # three 32 x 32 matrices, two 32-long biases
+    assert payload_bytes(params, "none", 0) == (3 * 32 * 32 + 2 * 32) * 4
+    assert payload_bytes(params, "fp16", 0) == payload_bytes(params, "bf16", 0) == (3 * 32 * 32 + 2 * 32) * 2
+    # rank 2: each matrix as (32 + 32) x 2 values; the biases whole (a 32 x 1 matrix gains nothing)
+    assert payload_bytes(params, "powersgd", 2) == (3 * 64 * 2 + 2 * 32) * 4
+    # rank 16: (32 + 32) x 16 is not under half of 32 x 32: sent whole
+    assert payload_bytes(params, "powersgd", 16) == payload_bytes(params, "none", 0)
 
 
 # ---- two ranks ------------------------------------------------------------------------------------------
