@@ -20,6 +20,7 @@ module), so the timer stamps each bucket before it is compressed.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -52,22 +53,23 @@ def check_backend(cfg: DistConfig, backend: str | None) -> None:
         )
 
 
-class Compression:
+class Compression(ABC):
     """A compressed all-reduce of DDP's gradient buckets; `hook(bucket)` returns the future of the averaged bucket."""
 
     def __init__(self, cfg: DistConfig, ddp: DDP) -> None:
         self.group: dist.ProcessGroup = ddp.process_group
 
+    @abstractmethod
     def hook(self, bucket: GradBucket) -> Future:
         """The bucket averaged over the ranks, through this compression."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any] | None:
         """This rank's state to checkpoint (None: the compression keeps none)."""
         return None
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
-        """Continue from state_dict() (None: none was saved for this rank) at optimizer step `step`."""
+        """Continue from state_dict() (None: none was saved for this rank) at optimizer step `step`: nothing kept here."""
+        return None
 
 
 class Fp16(Compression):
