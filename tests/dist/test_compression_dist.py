@@ -1,7 +1,7 @@
 """Compressed gradients on 2 launched gloo ranks: fp16 and PowerSGD train (the loss falls, accumulation still skips
 the all-reduce of all micro-batches but the last), a PowerSGD run stopped and resumed is bit for bit the
-uninterrupted one (each rank's error feedback is in the checkpoint), bf16 is refused on gloo before anything is
-written."""
+uninterrupted one (each rank's error feedback is in the checkpoint) and verify-resume agrees, bf16 is refused on
+gloo before anything is written."""
 
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ def test_powersgd_resumes_bit_exact(corpus_dir: Path, tmp_path: Path, powersgd: 
     assert all(got[s] == ref[s] for s in got), [(s, got[s], ref[s]) for s in got if got[s] != ref[s]]
     a, b = final_model_state(powersgd), final_model_state(run)
     assert all(torch.equal(a[name], b[name]) for name in a)
+    # verify-resume replays from the checkpoint (PowerSGD's state restored per rank) and matches the certificate.
+    replay = run_ddptrain(["verify-resume", str(run), "--from", "9", "--steps", "2"], nproc=2, timeout=240)
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert "identical: logged steps 10, 11" in replay.stdout + replay.stderr
 
 
 @pytest.mark.timeout(120)
