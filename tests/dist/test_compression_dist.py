@@ -1,4 +1,4 @@
-"""Compressed gradients on 2 launched gloo ranks: fp16 and PowerSGD train (the loss falls, accumulation still skips
+"""Compressed gradients on 2 launched gloo ranks: fp16 (DDP's hook, FSDP's reduce dtype) and PowerSGD train (the loss falls, accumulation still skips
 the all-reduce of all micro-batches but the last), a PowerSGD run stopped and resumed is bit for bit the
 uninterrupted one (each rank's error feedback is in the checkpoint) and verify-resume agrees, bf16 is refused on
 gloo before anything is written."""
@@ -42,10 +42,13 @@ def powersgd(corpus_dir: Path, reference_cache: Path) -> Path:
 
 @pytest.mark.timeout(300)
 def test_fp16_and_powersgd_train(corpus_dir: Path, tmp_path: Path, powersgd: Path) -> None:
-    fp16 = tmp_path / "fp16"
+    fp16, fsdp = tmp_path / "fp16", tmp_path / "fsdp"
     done = run_ddptrain(args(corpus_dir, str(fp16), "fp16"), nproc=2, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    for run in (fp16, powersgd):
+    # Under FSDP fp16 is the reduce dtype of the gradients' reduce-scatter.
+    done = run_ddptrain([*args(corpus_dir, str(fsdp), "fp16"), "dist.strategy=fsdp"], nproc=2, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for run in (fp16, powersgd, fsdp):
         loss = losses(run)
         assert sorted(loss) == list(range(1, STEPS + 1))
         assert sum(loss[s] for s in (10, 11, 12)) < sum(loss[s] for s in (1, 2, 3)), (run, loss)

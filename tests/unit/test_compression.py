@@ -24,13 +24,14 @@ from ddptrain.errors import ConfigError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.compression import PowerSgd, attach, check_backend, payload_bytes
 from ddptrain.train.in_place_trainer import check_in_place
+from ddptrain.train.parallel import mixed_precision
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["dist.grad_compression=int4"], "pick one of none, fp16, bf16, powersgd"),
-        (["dist.grad_compression=fp16", "dist.strategy=fsdp"], "dist.strategy=fsdp reduces gradients without"),
+        (["dist.grad_compression=powersgd", "dist.strategy=fsdp"], "dist.strategy=fsdp reduces gradients without"),
         (["dist.grad_compression=powersgd", "dist.strategy=hsdp", "dist.shard_size=1"], "dist.strategy=hsdp"),
         (["dist.powersgd_rank=0"], "dist.powersgd_rank"),
         (["dist.powersgd_start_step=2"], "dist.powersgd_start_step"),
@@ -51,6 +52,17 @@ def test_every_mode_loads_and_bf16_is_refused_on_gloo_only() -> None:
         check_backend(bf16, "gloo")
     check_backend(bf16, "nccl")
     check_backend(DistConfig(grad_compression="fp16"), "gloo")
+
+
+def test_fsdp_reduces_in_the_compression_dtype() -> None:
+    for strategy in ("dist.strategy=fsdp", "dist.strategy=hsdp dist.shard_size=1"):
+        cfg = load_config(None, [*strategy.split(), "dist.grad_compression=fp16"])
+        assert cfg.dist.grad_compression == "fp16"
+    assert mixed_precision("fp32", "fp16").reduce_dtype == torch.float16
+    assert mixed_precision("bf16", "bf16").reduce_dtype == torch.bfloat16
+    assert mixed_precision("bf16", "bf16").param_dtype == torch.bfloat16
+    assert mixed_precision("bf16").reduce_dtype == torch.float32  # no compression: fp32 as before
+    assert mixed_precision("fp32").reduce_dtype is None
 
 
 def test_the_in_place_mode_refuses_compression() -> None:

@@ -93,7 +93,7 @@ class DistConfig(Section):
     )
     grad_compression: Annotated[str, AfterValidator(GRAD_COMPRESSIONS.check)] = Field(
         NO_COMPRESSION,
-        description=f"How DDP's gradient all-reduce is compressed (docs/slow-links.md): {GRAD_COMPRESSIONS.explained()}. dist.strategy=ddp only.",
+        description=f"How the gradients' all-reduce is compressed (docs/slow-links.md): {GRAD_COMPRESSIONS.explained()}. Under fsdp/hsdp fp16 and bf16 are the gradients' reduce dtype; powersgd is ddp only.",
     )
     powersgd_rank: int = Field(
         4, ge=1, le=1024, description="grad_compression=powersgd: the rank of each gradient matrix's approximation."
@@ -106,10 +106,10 @@ class DistConfig(Section):
 
     @model_validator(mode="after")
     def _compression_is_ddp(self) -> DistConfig:
-        if self.grad_compression != NO_COMPRESSION and self.strategy != "ddp":
+        if self.grad_compression == "powersgd" and self.strategy != "ddp":
             raise ValueError(
-                f"dist.grad_compression={self.grad_compression} compresses DDP's all-reduce: dist.strategy={self.strategy} "
-                "reduces gradients without DDP's communication hooks (use dist.grad_compression=none)"
+                f"dist.grad_compression=powersgd compresses DDP's all-reduce: dist.strategy={self.strategy} "
+                "reduces gradients without DDP's communication hooks (fp16 or bf16 set FSDP's reduce dtype)"
             )
         return self
 
