@@ -27,6 +27,7 @@ FIGURES = [
     "scaling",
     "peers",
     "allreduce",
+    "compression",
     "overlap",
     "checkpoint",
     "checkpoint_ranks",

@@ -85,6 +85,7 @@ from ddptrain.run_folder import LEASE, checkpoints_dir, config_file, export_dir,
 from ddptrain.run_sources import ModelSource, live_model, settle_sources
 from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
+from ddptrain.train.compression import check_backend
 from ddptrain.train.hooks import Hooks
 from ddptrain.train.in_place import InPlaceSession
 from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place, check_in_place_data
@@ -270,6 +271,7 @@ def build_run(
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
+    check_backend(cfg.dist, ctx.backend)  # and a gradient compression the backend cannot all-reduce
     check_collate(cfg.data)  # and a data.collate that does not import
     cfg, model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from
     source = data_source(cfg.data, datasets)

@@ -36,6 +36,7 @@ def test_bench_all_smoke(tmp_path: Path) -> None:
         "scaling",
         "peers",
         "gloo all-reduce",
+        "grad compression",
         "overlap",
         "checkpoint",
         "checkpoint (2 ranks)",

@@ -84,6 +84,17 @@ class Config(Section):
             raise ValueError(f"train.precision=fp16 is not supported with dist.strategy={d.strategy}; use bf16")
         return self
 
+    @model_validator(mode="after")
+    def _powersgd_without_loss_scaling(self) -> Config:
+        if self.dist.grad_compression == "powersgd" and self.train.precision == "fp16":
+            # The error feedback carries scaled gradients from step to step: a new scale, or an overflow that
+            # GradScaler skips, would leave it in other units or non-finite for every later step.
+            raise ValueError(
+                "dist.grad_compression=powersgd cannot carry its error feedback across train.precision=fp16's "
+                "changing loss scale; use train.precision=bf16 or fp32"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         """The resolved output folder of this run."""

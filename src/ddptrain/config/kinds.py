@@ -1,7 +1,7 @@
 """Every named kind a config picks from, one line each: the only place each name is written.
 
-Adding a checkpoint format, a checksum, an experiment tracker or an LR schedule is its code in its
-own module plus its line here; the config accepts the name, lists it in its errors and in
+Adding a checkpoint format, a checksum, an experiment tracker, an LR schedule or a gradient compression is its
+code in its own module plus its line here; the config accepts the name, lists it in its errors and in
 `--help-config`, and the layer that uses it imports the code when a run asks for it (registry.py).
 """
 
@@ -86,3 +86,16 @@ SCHEDULES = Registry(
     },
 )  # fmt: skip
 DEFAULT_SCHEDULE = "cosine"
+
+_COMPRESSION = "ddptrain.train.compression"
+NO_COMPRESSION = "none"  # dist.grad_compression's choice that names no hook: DDP's own fp32 all-reduce
+GRAD_COMPRESSIONS = Registry(
+    "dist.grad_compression",
+    "a gradient compression",
+    {
+        "fp16": Kind(f"{_COMPRESSION}:Fp16", "gradients all-reduced as float16: half the bytes; NCCL and gloo"),
+        "bf16": Kind(f"{_COMPRESSION}:Bf16", "gradients all-reduced as bfloat16: half the bytes, fp32's range; NCCL only, gloo has no bfloat16 all-reduce"),
+        "powersgd": Kind(f"{_COMPRESSION}:PowerSgd", "rank-dist.powersgd_rank factors with error feedback from dist.powersgd_start_step: ~10-100x fewer bytes; NCCL and gloo"),
+    },
+    {NO_COMPRESSION: "fp32 all-reduce, every byte"},
+)  # fmt: skip

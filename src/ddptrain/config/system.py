@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
-from ddptrain.config.kinds import DEFAULT_HASH, FORMATS, HASHES, TRACKERS
+from ddptrain.config.kinds import DEFAULT_HASH, FORMATS, GRAD_COMPRESSIONS, HASHES, NO_COMPRESSION, TRACKERS
 from ddptrain.config.trackers import MLflowOptions, WandbOptions
 from ddptrain.config_io import (
     folder_name,
@@ -91,6 +91,27 @@ class DistConfig(Section):
     find_unused_parameters: bool = Field(
         False, description="DDP: search for parameters without gradients each step (slower)."
     )
+    grad_compression: Annotated[str, AfterValidator(GRAD_COMPRESSIONS.check)] = Field(
+        NO_COMPRESSION,
+        description=f"How the gradients' all-reduce is compressed (docs/slow-links.md): {GRAD_COMPRESSIONS.explained()}. Under fsdp/hsdp fp16 and bf16 are the gradients' reduce dtype; powersgd is ddp only.",
+    )
+    powersgd_rank: int = Field(
+        4, ge=1, le=1024, description="grad_compression=powersgd: the rank of each gradient matrix's approximation."
+    )
+    powersgd_start_step: int = Field(
+        100,
+        ge=3,
+        description="grad_compression=powersgd: the first compressed step; the steps before it all-reduce every byte (PowerSGD's advice: about 10% of the run, no fewer than the warm-up).",
+    )
+
+    @model_validator(mode="after")
+    def _compression_is_ddp(self) -> DistConfig:
+        if self.grad_compression == "powersgd" and self.strategy != "ddp":
+            raise ValueError(
+                f"dist.grad_compression=powersgd compresses DDP's all-reduce: dist.strategy={self.strategy} "
+                "reduces gradients without DDP's communication hooks (fp16 or bf16 set FSDP's reduce dtype)"
+            )
+        return self
 
 
 class CkptConfig(Section):

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
+from ddptrain.config.kinds import NO_COMPRESSION
 from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DdptrainError
@@ -63,6 +64,11 @@ def check_in_place(cfg: Config) -> None:
     """ConfigError for what the in-place mode does not train (checked before it reaches the Lighthouse)."""
     if cfg.dist.strategy != "ddp":
         raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
+    if cfg.dist.grad_compression != NO_COMPRESSION:
+        raise ConfigError(
+            f"in-place fault tolerance sums the groups' gradients outside DDP's communication hooks: "
+            f"dist.grad_compression={cfg.dist.grad_compression} would compress nothing across groups (use none)"
+        )
     if cfg.train.global_batch_size % cfg.data.micro_batch_size:
         raise ConfigError(
             f"in-place fault tolerance cuts the global batch into micro-batches: train.global_batch_size="

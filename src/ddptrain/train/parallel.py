@@ -126,11 +126,17 @@ def device_mesh(cfg: Config, ctx: DistContext) -> DeviceMesh:
     return init_device_mesh(ctx.device.type, (ctx.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32 (fp32 master copies)."""
+REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # dist.grad_compression under FSDP: the reduce dtype
+
+
+def mixed_precision(precision: str, compression: str = "none") -> MixedPrecisionPolicy:
+    """bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32 (fp32 master copies).
+    dist.grad_compression fp16/bf16: gradients reduce-scattered (and, hsdp, all-reduced across replicas) in it."""
+    reduce_dtype = REDUCE_DTYPES.get(compression, torch.float32)
     if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()  # fp32 (fp16 is refused by the config with a sharded strategy)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    # fp32 (fp16 is refused by the config with a sharded strategy)
+    return MixedPrecisionPolicy(reduce_dtype=reduce_dtype if compression in REDUCE_DTYPES else None)
 
 
 def shard_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
@@ -142,7 +148,7 @@ def shard_model(model: nn.Module, cfg: Config, ctx: DistContext) -> nn.Module:
     if ctx.device.type == "cpu" and cfg.dist.cpu_release_memory:
         _fixed_mmap_threshold()
     mesh = device_mesh(cfg, ctx)
-    policy = mixed_precision(cfg.train.precision)
+    policy = mixed_precision(cfg.train.precision, cfg.dist.grad_compression)
     for unit in shard_units(model, cfg):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
+from ddptrain.checkpoint.formats.base import COMPRESSION_STATE
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
@@ -37,6 +38,7 @@ from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.perf import StepTimer
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.train.agreement import StopAgreement
+from ddptrain.train.compression import attach as attach_compression
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
 from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
@@ -101,6 +103,7 @@ class Trainer:
         self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
+        self.compression = attach_compression(cfg.dist, self.ddp, self.timer)  # then compresses them
         self.step = 0
         self.window = LogWindow(ctx.device)  # the steps since the last logged one (saved with the state)
         self.world_size = ctx.world_size  # the ranks that took part in the last step
@@ -269,7 +272,11 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """All ranks: save the current step (each rank writes its share of the state, and its own RNG)."""
-        self.checkpointer.save(self.step, self.state_dict(), {"rng": rng_state()})
+        local: dict[str, Any] = {"rng": rng_state()}
+        compressed = self.compression.state_dict() if self.compression is not None else None
+        if compressed is not None:  # PowerSGD's error feedback: every rank's own
+            local[COMPRESSION_STATE] = compressed
+        self.checkpointer.save(self.step, self.state_dict(), local)
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
         """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
@@ -280,6 +287,8 @@ class Trainer:
         """
         shared, local = self.checkpointer.restore(ckpt, self.model, self.optimizer)
         self.load_state_dict(shared)
+        if self.compression is not None:
+            self.compression.load_state_dict(local.get(COMPRESSION_STATE) if local is not None else None, self.step)
         if local is not None:
             load_rng_state(local["rng"])
         else:

@@ -29,7 +29,9 @@ from ddptrain.checkpoint.manifest import FileEntry, Manifest
 from ddptrain.config.kinds import FORMATS
 
 SHARED_KEYS = ("model", "optimizer", "trainer")
-LOCAL_KEYS = ("rng",)
+LOCAL_KEYS = ("rng",)  # every rank's own objects (`<key>-rank<r>.pt`), in every checkpoint
+COMPRESSION_STATE = "grad_compression"  # PowerSGD's per-rank state (train/compression.py), in its runs' only
+OPTIONAL_LOCAL_KEYS = (COMPRESSION_STATE,)  # a rank's own objects a checkpoint may hold
 
 
 class ReadableCheckpoint(Protocol):
@@ -109,7 +111,9 @@ class CheckpointFormat(ABC):
         size over the nodes so that each node reads about 1/N of the bytes (load_plan.py). At another
         world size no rank resumes the saved local files: they are verified (split like the rest) and dropped.
         """
-        local = {f"{k}-rank{r}.pt": r for k in LOCAL_KEYS for r in range(manifest.world_size)}
+        keys = (*LOCAL_KEYS, *OPTIONAL_LOCAL_KEYS)
+        local = {f"{k}-rank{r}.pt": r for k in keys for r in range(manifest.world_size)}
+        local = {name: r for name, r in local.items() if name in manifest.files}
         same = manifest.world_size == world_size
         sizes = {name: entry.size for name, entry in manifest.files.items()}
         layout = range(world_size) if nodes is None else nodes

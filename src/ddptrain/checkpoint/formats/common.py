@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ddptrain.checkpoint.durable import write_durable
-from ddptrain.checkpoint.formats.base import LOCAL_KEYS, ReadableCheckpoint
+from ddptrain.checkpoint.formats.base import LOCAL_KEYS, OPTIONAL_LOCAL_KEYS, ReadableCheckpoint
 from ddptrain.checkpoint.manifest import FileEntry
 
 
@@ -55,7 +55,9 @@ def local_required(world_size: int) -> set[str]:
 
 
 def read_local(ckpt: ReadableCheckpoint, rank: int, world_size: int) -> dict[str, Any] | None:
-    """This rank's local objects; None when the checkpoint was saved at another world size."""
+    """This rank's local objects (the optional ones it holds too); None when the checkpoint was saved at another
+    world size."""
     if ckpt.manifest.world_size != world_size:
         return None
-    return {k: ckpt.load(f"{k}-rank{rank}.pt") for k in LOCAL_KEYS}
+    keys = [*LOCAL_KEYS, *(k for k in OPTIONAL_LOCAL_KEYS if f"{k}-rank{rank}.pt" in ckpt.manifest.files)]
+    return {k: ckpt.load(f"{k}-rank{rank}.pt") for k in keys}
