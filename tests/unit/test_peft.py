@@ -166,6 +166,7 @@ def test_transformers_loading_bar_shows_on_the_first_process_only(
     )
     LlamaForCausalLM(tiny).save_pretrained(str(tmp_path))
     monkeypatch.delenv("DDPTRAIN_REPLICA_GROUP", raising=False)
+    hf_logging.enable_progress_bar()  # as a fresh process has it (another test in this worker may have turned it off)
     try:
         for rank, shown in (("0", True), ("1", False)):
             monkeypatch.setenv("RANK", rank)
