@@ -121,20 +121,3 @@ def test_a_model_type_typo_names_the_closest_few_and_declared_keys_pass(
     assert len(line) < 300 and not (tmp_path / "run").exists()
     check_hf_config(HFModelConfig(config={"model_type": "llama", "rope_theta": 500.0, "torch_dtype": "float32"}))
     check_hf_config(HFModelConfig(config={"model_type": "gpt2", "hidden_size": 64, "num_hidden_layers": 1}))
-
-
-def test_a_run_refused_once_it_has_started_leaves_no_folder_and_an_old_log_as_it_was(
-    tiny_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # Refused inside the run's set-up (the corpus is read after the rank's log is opened): nothing stays.
-    missing = [*tiny_args, f"data.dir={tmp_path / 'no-corpus'}"]
-    assert "no prepared corpus" in one_line_exit_2(["train", *missing], capsys)
-    assert not (tmp_path / "run").exists()
-    # A run folder that was there keeps its log's lines and gains nothing.
-    log = tmp_path / "run" / "logs" / "rank-0.log"
-    log.parent.mkdir(parents=True)
-    log.write_text("an earlier run's line\n")
-    assert "no prepared corpus" in one_line_exit_2(["train", *missing], capsys)
-    assert log.read_text() == "an earlier run's line\n" and sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "logs"
-    ]

@@ -112,13 +112,10 @@ class RankFileHandler(_OneComplaint, logging.StreamHandler):  # type: ignore[typ
                 self.handle(record)
             self._held.clear()
 
-    def discard(self) -> bool:
-        """A refused run: drop the held records and every later one; the file stays as it was. True when the
-        records were still held (nothing of this run reached the file)."""
+    def discard(self) -> None:
+        """A refused run: drop the held records and every later one; the file stays as it was."""
         if self._state == "hold":
             self.stop()
-            return True
-        return False
 
     def stop(self) -> None:
         """Nothing more reaches the file, held or not (the run folder became another run's)."""
@@ -139,20 +136,6 @@ def stop_rank_files() -> None:
             handler.stop()
 
 
-def _remove_if_untouched(file_handler: RankFileHandler, created: list[Path]) -> None:
-    """After a refusal while the log was held: remove the log file and folders this run created, innermost first,
-    each only while empty (another rank of the same run may have written there meanwhile)."""
-    file_handler.close()
-    for path in reversed(created):
-        try:
-            if path.is_dir() and not path.is_symlink():
-                path.rmdir()  # only an empty folder goes
-            elif path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
-                path.unlink()
-        except OSError:
-            return  # not empty (or not ours to remove): what is left stays
-
-
 @contextmanager
 def run_logging(
     run_dir: Path, rank: int, world_size: int, hostname: str, console: bool | None = None, hold: bool = False
@@ -166,9 +149,6 @@ def run_logging(
     (its one line is on stderr); any other exception writes them, for the post-mortem.
     """
     path = rank_log(run_dir, rank)
-    # What a refusal removes again, so that bad input leaves the disk as it was: the folders and the file
-    # this block creates (an existing log keeps its earlier lines and only gains nothing).
-    created = [p for p in (run_dir, path.parent) if not p.exists()] + ([] if path.exists() else [path])
     try:
         ensure_dir(path.parent)
         file_handler = RankFileHandler(path, hold)  # a planted link is refused, never followed
@@ -184,10 +164,8 @@ def run_logging(
     try:
         yield file_handler
     except UserError as e:
-        held = file_handler.discard()
+        file_handler.discard()
         log.error("%s", e, extra=FILE_ONLY)  # bad input: one line, as the command prints it
-        if held:
-            _remove_if_untouched(file_handler, created)
         raise
     except (Preempted, Interrupted) as e:
         log.info("%s", e, extra=FILE_ONLY)
