@@ -40,7 +40,7 @@ ETCD_LAUNCH = [
     "--rdzv-backend",
     "etcd-v2",
     "--rdzv-timeout",
-    "60",  # a host that missed the first round waits for the next one: the others stop for it, busy or not
+    "20",
     "--rdzv-last-call",
     "2",
     "--rdzv-conf",
@@ -143,7 +143,7 @@ def test_rank0_host_lost_then_back_at_three(hosts: Cluster, tmp_path: Path) -> N
     job = EtcdJob(hosts, tmp_path, trainers, [member], nnodes="2:3", train=[*ELASTIC, "train.max_steps=60"])
     job.start()
     # All three in the first round, or in the next one when a host was slow to start: wait for 3 training.
-    job.wait_for("training at world size 3", lambda: [r for r in job.records("train") if r["world_size"] == 3], 100)
+    job.wait_for("training at world size 3", lambda: [r for r in job.records("train") if r["world_size"] == 3], 60)
     job.wait_for_step(job.records("train")[-1]["step"] + 5, timeout=30)
     lost = job.rank0_host()
     t_kill = time.time()
