@@ -110,8 +110,7 @@ def run_ddptrain(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += ["-m", "ddptrain", *args]
     else:
-        if nproc:
-            args = ["launch", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--", *args]
+        args = _launched(args, nproc)
         if use_zygote():
             return _zygote().run(args, env_for_subprocess(env), cwd, timeout, max_file_bytes)
         cmd = [sys.executable, "-m", "ddptrain", *args]
@@ -136,11 +135,15 @@ def start_ddptrain(
     """Start `python -m ddptrain ARGS` (with nproc > 0: on N local workers through `ddptrain launch`, as
     run_ddptrain does) without waiting: a subprocess.Popen, or the zygote's process with the same interface.
     popen_options: stdout, stderr, text, cwd, start_new_session."""
-    if nproc:
-        args = ["launch", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--", *args]
+    args = _launched(args, nproc)
     if use_zygote():
         return _zygote().start(args, env_for_subprocess(env), **popen_options)
     return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], env=env_for_subprocess(env), **popen_options)
+
+
+def _launched(args: list[str], nproc: int) -> list[str]:
+    """ARGS as run on nproc local workers through `ddptrain launch` (unchanged when nproc is 0)."""
+    return ["launch", "--nproc-per-node", str(nproc), "--max-restarts", "0", "--", *args] if nproc else args
 
 
 def use_zygote() -> bool:
