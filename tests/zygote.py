@@ -58,7 +58,7 @@ def serve(socket_path: str) -> None:
             return  # the test process ended: its children end with their pipes
         if listener in readable:
             conn, _ = listener.accept()
-            pid = _fork_command(conn, [listener.fileno(), *running, *(c.fileno() for _, c in running.values())])
+            pid = _fork_command(conn, [listener, *(c for _, c in running.values())], list(running))
             conn.sendall(f"{pid}\n".encode())
             running[os.pidfd_open(pid)] = (pid, conn)
         for pidfd in [fd for fd in readable if isinstance(fd, int)]:
@@ -69,7 +69,7 @@ def serve(socket_path: str) -> None:
             os.close(pidfd)
 
 
-def _fork_command(conn: socket.socket, zygote_fds: list[int]) -> int:
+def _fork_command(conn: socket.socket, zygote_sockets: list[socket.socket], zygote_fds: list[int]) -> int:
     """Fork a child that becomes `python -m ddptrain ARGV` as the request on `conn` describes; its pid."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
     request = json.loads(message)
@@ -79,7 +79,12 @@ def _fork_command(conn: socket.socket, zygote_fds: list[int]) -> int:
             os.close(fd)
         return pid
     try:
-        for fd in [*zygote_fds, conn.fileno()]:
+        # Closed through their socket objects: an os.close of the number would leave each object to close it
+        # again when the zygote's frames unwind at the command's exit, by then another file's number (seen: the
+        # epoll descriptor of wandb's event loop, whose thread then died and left its atexit hook waiting).
+        for sock in [*zygote_sockets, conn]:
+            sock.close()
+        for fd in zygote_fds:
             os.close(fd)
         _become_command(request, fds)
     except BaseException as e:  # noqa: BLE001  (the child must never return into the zygote's loop)
