@@ -61,12 +61,17 @@ def test_straggler_is_named_in_the_warning_the_metrics_and_its_own_log(tmp_path:
 
 @pytest.mark.timeout(180)
 def test_doctor_with_two_ranks_passes_and_reports_bus_bandwidth(tmp_path: Path) -> None:
-    proc = run_ddptrain(["doctor", "--max-mb", "0.25", "--timeout", "60"], nproc=2, timeout=150)
+    proc = run_ddptrain(
+        ["doctor", "--max-mb", "0.25", "--timeout", "60", "--params", "1e5", "--step-s", "1000"], nproc=2, timeout=150
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for check in ("launch env", "backend", "device", "interface", "rendezvous", "versions", "all-reduce", "bandwidth"):
         assert f"PASS  {check}" in out, check
     assert "verdict: PASS" in out and "all 2 ranks joined" in out
+    # The advice for a small model with much compute per step: the link is not its bottleneck.
+    assert "link advice for 0.1M parameters (0.3815 MiB of fp32 gradients), 1000 s of compute per step:" in out
+    assert "choose: synchronous, fp32 gradients every step (the default): the link adds <= 10%" in out
     rows = [line.split() for line in out.splitlines() if line.strip().endswith(tuple("0123456789")) and "KiB" in line]
     assert [r[0] + " " + r[1] for r in rows] == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB"]
     for size, _unit, _iters, us, algbw, busbw in rows:

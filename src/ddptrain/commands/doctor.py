@@ -26,6 +26,10 @@ class DoctorOptions:
         "also check these etcd members HOST[:PORT],... (healthy, v2 API on); under `ddptrain launch "
         "--rdzv-backend etcd-v2` its endpoints are checked without this",
     )
+    params: float | None = option(
+        None, "a model's parameter count (e.g. 3.2e6): advise from the sweep how to synchronize it over this link"
+    )
+    step_s: float | None = option(None, "with --params: that model's compute seconds per step (e.g. a one-node run's)")
 
 
 def doctor(options: DoctorOptions) -> int:
@@ -39,4 +43,18 @@ def doctor(options: DoctorOptions) -> int:
             raise ConfigError(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.1:29500)")
     if options.etcd is not None:
         parse_endpoints("--etcd", options.etcd)
-    return run_checks(options.backend, options.timeout, int(options.max_mb * 2**20), endpoint, options.etcd)
+    if options.params is not None:
+        number_in("--params", options.params, 0, 1e15, low_open=True)
+    if options.step_s is not None:
+        if options.params is None:
+            raise ConfigError("--step-s needs --params (the model whose step it is)")
+        number_in("--step-s", options.step_s, 0, MAX_TIMEOUT_S, low_open=True)
+    return run_checks(
+        options.backend,
+        options.timeout,
+        int(options.max_mb * 2**20),
+        endpoint,
+        options.etcd,
+        options.params,
+        options.step_s,
+    )

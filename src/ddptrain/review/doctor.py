@@ -35,6 +35,7 @@ from ddptrain.endpoints import Endpoint, format_endpoint, split_host_port
 from ddptrain.errors import LaunchError
 from ddptrain.etcd_endpoints import ETCD_ENV, health, parse_endpoints
 from ddptrain.observe.perf import device_name, peak_flops
+from ddptrain.review.link_advice import format_advice
 
 _ENV_VARS = (
     "RANK",
@@ -393,12 +394,15 @@ def doctor(
     max_bytes: int = int(MAX_MB * 2**20),
     endpoint: str | None = None,
     etcd: str | None = None,
+    params: float | None = None,
+    step_s: float | None = None,
 ) -> int:
     """Run the checks this launch allows, print the report (rank 0, or any rank that fails); 0 when all pass.
 
     endpoint: a rendezvous HOST:PORT to probe from here (e.g. torchrun's --rdzv-endpoint, before
     starting the agents on the other nodes). etcd: the etcd members HOST[:PORT],... of an etcd
-    rendezvous (default: those `ddptrain launch --rdzv-backend etcd-v2` gives its workers).
+    rendezvous (default: those `ddptrain launch --rdzv-backend etcd-v2` gives its workers). params: a model's
+    parameter count, to advise from the sweep how to synchronize it (with step_s, its compute seconds per step).
     """
     etcd = etcd or os.environ.get(ETCD_ENV)
     info = environment()
@@ -433,6 +437,8 @@ def doctor(
     if env[0] == 0:
         ranks = "\n".join(f"  rank {r}: {e['host']}  {_rank_device(e)}" for r, e in enumerate(envs))
         table = format_bandwidth(rows, env[1], chosen)
+        if params:
+            table += "\n\n" + format_advice(rows, params, step_s)
         print(_report(_title(env), info, checks, f"ranks:\n{ranks}\n\n{table}"), flush=True)
     elif failed:
         print(_report(_title(env), info, checks), file=sys.stderr, flush=True)
