@@ -64,15 +64,19 @@ class ForkedJob:
             proc.start()
             self.procs.append(proc)
         self.returncode: int | None = None
+        self.failure: int | None = None  # the exit code of the first process that failed
 
     def poll(self) -> int | None:
         """The job's exit code once every process has ended (the first failure's, else 0), else None. As torchrun
         does, a failed process ends the others (they would wait on it until their timeouts)."""
-        if self.returncode is None and any(p.exitcode not in (None, 0) for p in self.procs):
-            self.kill()
-        if self.returncode is None and all(p.exitcode is not None for p in self.procs):
-            codes = [p.exitcode or 0 for p in self.procs]
-            self.returncode = next((c for c in codes if c != 0), 0)
+        if self.returncode is None:
+            failed = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+            if failed and self.failure is None:
+                self.failure = failed[0]
+                self.kill()
+            codes = [p.exitcode for p in self.procs]
+            if all(c is not None for c in codes):
+                self.returncode = self.failure if self.failure is not None else next((c for c in codes if c), 0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
