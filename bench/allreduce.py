@@ -65,7 +65,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         "--target-s",
         "0.01" if opts.smoke else "0.1",
     ]
-    run_job(Variant("allreduce", "bench.allreduce", args, nproc=2), opts.work_dir / "allreduce.log")
+    run_job(Variant("allreduce", "bench.allreduce", args, nproc=2, forked=opts.smoke), opts.work_dir / "allreduce.log")
     data = json.loads(out.read_text())
     rows = []
     for n, values in data["busbw_GBps"].items():

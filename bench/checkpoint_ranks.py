@@ -263,7 +263,9 @@ def _launch(opts: Options, name: str, nproc: int, extra: list[str]) -> dict[str,
     folder.mkdir(parents=True)
     out = opts.work_dir / f"{name}.json"
     args = ["--out", str(out), "--folder", str(folder), *extra, *([] if opts.smoke else ["--large"])]
-    run_job(Variant(name, "bench.checkpoint_ranks", args, nproc=nproc), opts.work_dir / f"{name}.log")
+    run_job(
+        Variant(name, "bench.checkpoint_ranks", args, nproc=nproc, forked=opts.smoke), opts.work_dir / f"{name}.log"
+    )
     data: dict[str, Any] = json.loads(out.read_text())
     return data
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.forked import ForkedJob
+
 REPO = Path(__file__).resolve().parent.parent
 # Idle variants poll for the baton rarely: every wake-up of a waiting process takes a core for a
 # moment, and a 2-thread OpenMP step (barriers in every operator) stalls on each such preemption.
@@ -176,13 +178,15 @@ class Baton:
 
 @dataclass
 class Variant:
-    """A variant running in its own process(es): python -m MODULE ARGS, under torchrun when nproc > 0."""
+    """A variant running in its own process(es): python -m MODULE ARGS, under torchrun when nproc > 0
+    (forked: the same, forked from the smoke mode's preloaded server, bench/forked.py)."""
 
     name: str
     module: str
     args: list[str]
     nproc: int = 0  # 0: one plain process; N: torchrun --standalone --nproc-per-node N
     threads: int = 1
+    forked: bool = False
     ranks: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +200,16 @@ class Variant:
             else [sys.executable, "-m"]
         )
         return [*launcher, self.module, *self.args]
+
+    def start(self, log: Path) -> subprocess.Popen[bytes] | ForkedJob:
+        """Start this variant's processes, their output into the fresh file `log`."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = child_env(self.threads)
+        if self.forked:
+            log.write_bytes(b"")
+            return ForkedJob(self.module, self.args, self.nproc, env, log, REPO)
+        with open(log, "wb") as f:
+            return subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -216,7 +230,7 @@ class Session:
         self.folder = folder
         self.variants = {v.name: v for v in variants}
         self.start_timeout_s = start_timeout_s
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | ForkedJob] = {}
         self.rounds: dict[str, int] = {v.name: 0 for v in variants}
 
     def __enter__(self) -> Session:
@@ -225,11 +239,7 @@ class Session:
             if stale.is_file() and not stale.name.endswith(".log"):
                 stale.unlink()
         for v in self.variants.values():
-            log = open(self.folder / f"{v.name}.log", "wb")
-            self.procs[v.name] = subprocess.Popen(
-                v.command(), stdout=log, stderr=subprocess.STDOUT, env=child_env(v.threads), cwd=REPO
-            )
-            log.close()
+            self.procs[v.name] = v.start(self.folder / f"{v.name}.log")
         deadline = time.monotonic() + self.start_timeout_s
         for v in self.variants.values():
             for rank in range(v.ranks):
@@ -289,16 +299,13 @@ def interleave_sessions(session: Session, names: Sequence[str], opts: Options) -
 
 def run_job(variant: Variant, log: Path, timeout_s: float = 600) -> None:
     """Run a variant to completion (a figure measured inside one job); raise with its output on failure."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as f:
-        proc = subprocess.run(
-            variant.command(),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=child_env(variant.threads),
-            cwd=REPO,
-            timeout=timeout_s,
-        )
+    proc = variant.start(log)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"bench job {variant.name} failed ({proc.returncode}):\n{tail}")

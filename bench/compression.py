@@ -84,7 +84,9 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     out = opts.work_dir / "compression.json"
     models = SMOKE_MODELS if opts.smoke else MODELS
     args = ["--out", str(out), "--models", json.dumps(models)]
-    run_job(Variant("compression", "bench.compression", args, nproc=2), opts.work_dir / "compression.log")
+    run_job(
+        Variant("compression", "bench.compression", args, nproc=2, forked=opts.smoke), opts.work_dir / "compression.log"
+    )
     data = json.loads(out.read_text())
     rows = []
     for name, modes in data.items():

@@ -94,7 +94,7 @@ def worker(out: Path, mode: str, rounds: int, warmup: int, smoke: bool) -> None:
 def _job(opts: Options, mode: str) -> dict[str, Any]:
     out = opts.work_dir / f"fsdp-{mode}.json"
     args = ["--out", str(out), "--mode", mode, "--rounds", str(opts.rounds), "--warmup", str(opts.warmup)]
-    run_job(Variant(f"fsdp-{mode}", "bench.fsdp", [*args, *(["--smoke"] if opts.smoke else [])], nproc=2),
+    run_job(Variant(f"fsdp-{mode}", "bench.fsdp", [*args, *(["--smoke"] if opts.smoke else [])], nproc=2, forked=opts.smoke),
             opts.work_dir / f"fsdp-{mode}.log")  # fmt: skip
     data: dict[str, Any] = json.loads(out.read_text())
     return data

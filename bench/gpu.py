@@ -148,10 +148,11 @@ class Bench:
         self.sync()
         return (time.perf_counter() - t0) / self.steps
 
-    def interleave(self, variants: dict[str, Callable[[], None]], warmup: int = 3) -> dict[str, list[float]]:
-        """Warm each variant up, then rounds A B A B ...; per-round seconds per step."""
+    def interleave(self, variants: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
+        """Warm each variant up (3 steps; smoke: 1, the code path), then rounds A B A B ...; per-round seconds per
+        step."""
         for step in variants.values():
-            for _ in range(warmup):
+            for _ in range(1 if self.smoke else 3):
                 step()
         out: dict[str, list[float]] = {n: [] for n in variants}
         names = list(variants)

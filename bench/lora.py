@@ -125,7 +125,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     out = work / "result.json"
     args = ["--base", str(base), "--data", str(opts.data_dir), "--work", str(work), "--out", str(out),
             "--rounds", str(opts.rounds), "--warmup", str(opts.warmup), *(["--smoke"] if opts.smoke else [])]  # fmt: skip
-    run_job(Variant("lora", "bench.lora", args, nproc=2), work / "lora.log")
+    run_job(Variant("lora", "bench.lora", args, nproc=2, forked=opts.smoke), work / "lora.log")
     r: dict[str, Any] = json.loads(out.read_text())
     ckpt, sent, grads = r["checkpoint_bytes"], r["allreduce_bytes_per_step"], r["gradient_bytes"]
     t = r["seconds"]

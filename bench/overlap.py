@@ -179,7 +179,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         str(opts.work_dir / "runs" / "overlap"),
     ]
     run_job(
-        Variant("overlap", "bench.overlap", args + (["--smoke"] if opts.smoke else []), nproc=2),
+        Variant("overlap", "bench.overlap", args + (["--smoke"] if opts.smoke else []), nproc=2, forked=opts.smoke),
         opts.work_dir / "overlap.log",
     )
     data = json.loads(out.read_text())

@@ -33,19 +33,23 @@ def _sources(opts: Options) -> list[Path]:
     return files[:40] if opts.smoke else files
 
 
-def _generated_corpus(folder: Path, megabytes: int, lines: list[str]) -> Path:
-    """megabytes files of ~1 MB, each a distinct shuffle of standard-library lines."""
+def _generated_corpus(folder: Path, files: int, file_kb: int, lines: list[str]) -> Path:
+    """`files` files of ~file_kb KB, each a distinct shuffle of standard-library lines."""
     folder.mkdir(parents=True, exist_ok=True)
-    for i in range(megabytes):
+    for i in range(files):
         random.Random(i).shuffle(lines)
         text, size = [], 0
         for ln in lines:
             text.append(ln)
             size += len(ln) + 1
-            if size > 1 << 20:
+            if size > file_kb << 10:
                 break
         (folder / f"doc{i:04d}.txt").write_text("\n".join(text))
     return folder
+
+
+def _size(kb: int) -> str:
+    return f"{kb >> 10} MB" if kb >= 1024 else f"{kb} KB"
 
 
 def _as_parquet(texts: list[str], path: Path, rows_per_group: int) -> Path:
@@ -58,13 +62,20 @@ def _as_parquet(texts: list[str], path: Path, rows_per_group: int) -> Path:
     return path
 
 
-def _peak_rss_mb(corpus: Path, out: Path, tokenizer: Path) -> float:
-    cmd = [sys.executable, "-m", "ddptrain", "prepare", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed")
-    return usage.ru_maxrss / 1024
+def _peak_rss_mb(jobs: list[tuple[Path, Path]], tokenizer: Path) -> list[float]:
+    """A `ddptrain prepare CORPUS --out OUT` child per job, all started at once (each its own process tree);
+    each one's peak RSS (the kernel's ru_maxrss of the child and its workers)."""
+    cmds = [[sys.executable, "-m", "ddptrain", "prepare", str(c), "--out", str(o), "--tokenizer", str(tokenizer)]
+            for c, o in jobs]  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in cmds]
+    peaks = []
+    for cmd, proc in zip(cmds, procs):
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed")
+        peaks.append(usage.ru_maxrss / 1024)
+    return peaks
 
 
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
@@ -105,19 +116,15 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     parquet_ratio = summary([a / b for a, b in zip(t["prepare_parquet"], t["encode_batch"])])
 
     lines = [ln for p in files[:20] for ln in p.read_text(errors="replace").splitlines()]
-    size = 1 if opts.smoke else 4
-    small = _generated_corpus(work / "gen-1x", size, lines)
-    large = _generated_corpus(work / "gen-10x", 10 * size, lines)
-    rss_1 = _peak_rss_mb(small, work / "out-1x", tokenizer_file)
-    rss_10 = _peak_rss_mb(large, work / "out-10x", tokenizer_file)
-    rss_pq = [
-        _peak_rss_mb(
-            _as_parquet([p.read_text() for p in sorted(gen.iterdir())], work / f"{gen.name}.parquet", 1),
-            work / f"out-{gen.name}-pq",
-            tokenizer_file,
-        )
-        for gen in (small, large)
-    ]
+    n_files, file_kb = (1, 64) if opts.smoke else (4, 1024)  # smoke: the code path, not the figure
+    small = _generated_corpus(work / "gen-1x", n_files, file_kb, lines)
+    large = _generated_corpus(work / "gen-10x", 10 * n_files, file_kb, lines)
+    parquet = [_as_parquet([p.read_text() for p in sorted(g.iterdir())], work / f"{g.name}.parquet", 1) for g in (small, large)]  # fmt: skip
+    rss_1, rss_10, *rss_pq = _peak_rss_mb(
+        [(small, work / "out-1x"), (large, work / "out-10x"), *((pq, work / f"out-{pq.stem}-pq") for pq in parquet)],
+        tokenizer_file,
+    )
+    size, size_10 = _size(n_files * file_kb), _size(10 * n_files * file_kb)
 
     stall_rows, stall_data = data.measure(dataclasses.replace(opts, data_dir=bpe_dir), "data-run", [], "")
     stall = next(r for r in stall_rows if r.unit == "%")
@@ -146,7 +153,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         ),
         Row(
             "prepare",
-            f"peak RSS of prepare from Parquet, {10 * size} MB / {size} MB (rows of ~1 MB)",
+            f"peak RSS of prepare from Parquet, {size_10} / {size} (rows of ~{_size(file_kb)})",
             {"median": rss_pq[1] / rss_pq[0], "min": rss_pq[1] / rss_pq[0], "max": rss_pq[1] / rss_pq[0], "n": 1},
             "x",
             "< 1.5",
@@ -155,7 +162,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
         ),
         Row(
             "prepare",
-            f"peak RSS of prepare, {10 * size} MB corpus / {size} MB corpus",
+            f"peak RSS of prepare, {size_10} corpus / {size} corpus",
             {"median": rss_10 / rss_1, "min": rss_10 / rss_1, "max": rss_10 / rss_1, "n": 1},
             "x",
             "< 1.5",

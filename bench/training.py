@@ -34,7 +34,7 @@ def _variant(name: str, kind: str, opts: Options, model: str, steps: int, nproc:
         "--run-dir",
         str(opts.work_dir / "runs" / name),
     ]
-    return Variant(name, "bench.train_worker", args, nproc=nproc, threads=threads)
+    return Variant(name, "bench.train_worker", args, nproc=nproc, threads=threads, forked=opts.smoke)
 
 
 def _session(opts: Options, variants: Sequence[Variant]) -> dict[str, list[dict[str, Any]]]:

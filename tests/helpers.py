@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -153,13 +154,15 @@ def use_zygote() -> bool:
 
 
 _ZYGOTES: list[Zygote] = []
+_ZYGOTE_STARTING = threading.Lock()  # a test's threads may run commands at once: one zygote all the same
 
 
 def _zygote() -> Zygote:
     """This pytest process's zygote, started on first use and ended with the process."""
-    if not _ZYGOTES:
-        _ZYGOTES.append(Zygote(env_for_subprocess()))
-        atexit.register(_ZYGOTES[0].close)
+    with _ZYGOTE_STARTING:
+        if not _ZYGOTES:
+            _ZYGOTES.append(Zygote(env_for_subprocess()))
+            atexit.register(_ZYGOTES[0].close)
     return _ZYGOTES[0]
 
 

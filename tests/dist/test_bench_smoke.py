@@ -74,3 +74,23 @@ def test_gpu_script_smoke(tmp_path: Path) -> None:
     (result_file,) = tmp_path.glob("gpu-*.json")
     result = json.loads(result_file.read_text())
     assert {"matmul", "gpt2", "trainer_vs_raw", "ddp", "fsdp", "checkpoint", "hashes"} <= set(result)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_of_a_forked_smoke_job_ends_the_job_and_names_its_error(tmp_path: Path) -> None:
+    """Smoke mode forks a variant's ranks from bench's preloaded server (bench/forked.py): a rank that fails
+    ends the others, as torchrun does, and run_job raises with the job's output."""
+    script = (
+        "import sys; from pathlib import Path; from bench.common import Variant, run_job\n"
+        "run_job(Variant('fails', 'rank_fails', [], nproc=2, forked=True), Path(sys.argv[1]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "fails.log")],
+        cwd=REPO,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "bench job fails failed (1):" in proc.stderr and "rank 1 gives up" in proc.stderr, proc.stderr

@@ -25,13 +25,8 @@ pytestmark = pytest.mark.dist
 
 
 def launch(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ddptrain", "launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env_for_subprocess(),
-    )
+    """`python -m ddptrain launch ARGS` (forked from the test zygote, as run_ddptrain's commands are)."""
+    return run_ddptrain(["launch", *args], timeout=timeout)
 
 
 @pytest.mark.timeout(300)

@@ -4,12 +4,10 @@ fast, with a clear verdict, when the rendezvous endpoint cannot be reached."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import env_for_subprocess, read_metrics, run_ddptrain
+from helpers import read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -96,22 +94,8 @@ def _closed_port() -> int:
 @pytest.mark.timeout(90)
 def test_doctor_fails_fast_on_an_unreachable_rendezvous(rank: int, expected: str) -> None:
     port = _closed_port()
-    env = env_for_subprocess(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-        }
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddptrain", "doctor", "--timeout", "3"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+    proc = run_ddptrain(["doctor", "--timeout", "3"], env={**env, "LOCAL_RANK": str(rank)}, timeout=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "FAIL  rendezvous" in out and expected.format(port=port) in out

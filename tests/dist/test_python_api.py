@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess
+from helpers import TESTS_DIR, env_for_subprocess, run_ddptrain
 
 pytestmark = pytest.mark.dist
 REPO = TESTS_DIR.parent
@@ -23,10 +23,7 @@ def test_python_api_example_trains_under_launch(tmp_path: Path) -> None:
     """`ddptrain launch -- script.py ARGS` runs a Python script on every worker, as torchrun does."""
     run_dir = tmp_path / "waves"
     script = REPO / "examples" / "python_api" / "train_waves.py"
-    launch = [sys.executable, "-m", "ddptrain", "launch", "--nproc-per-node", "2", "--max-restarts", "0", "--"]
-    done = subprocess.run(
-        [*launch, str(script), str(run_dir)], capture_output=True, text=True, timeout=180, env=env_for_subprocess()
-    )
+    done = run_ddptrain([str(script), str(run_dir)], nproc=2, launcher="launch", timeout=180)  # launch -- script.py
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("finished:"))
     assert line.startswith("finished: step 60, loss ")

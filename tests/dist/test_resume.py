@@ -6,14 +6,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cached_run, env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+from helpers import cached_run, final_model_state, read_metrics, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -113,8 +112,8 @@ def test_sigkill_during_checkpoint_write(corpus_dir: Path, tmp_path: Path) -> No
     reference, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = run_ddptrain(["train", *common(corpus_dir, reference), *big, "ckpt.every_steps=2"], timeout=180)
     assert ref.returncode == 0, ref.stderr
-    cmd = [sys.executable, "-m", "ddptrain", "train", *common(corpus_dir, run_dir), *big, "ckpt.every_steps=2"]
-    proc = subprocess.Popen(cmd, env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = ["train", *common(corpus_dir, run_dir), *big, "ckpt.every_steps=2"]
+    proc = start_ddptrain(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt_dir = run_dir / "checkpoints"
     deadline = time.monotonic() + 120
     seen_tmp = None
@@ -129,7 +128,7 @@ def test_sigkill_during_checkpoint_write(corpus_dir: Path, tmp_path: Path) -> No
     proc.wait(timeout=30)
     assert seen_tmp is not None, "never caught the save in flight"
     assert not (ckpt_dir / "step-00000004").exists()
-    resumed = subprocess.run(cmd, env=env_for_subprocess(), capture_output=True, text=True, timeout=180)
+    resumed = run_ddptrain(args, timeout=180)
     assert resumed.returncode == 0, resumed.stderr
     assert "step-00000002" in resumed.stdout
     assert not seen_tmp.exists()  # the half-written folder was cleaned up, never loaded

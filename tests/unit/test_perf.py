@@ -190,10 +190,11 @@ def _timed_busy_steps(timer: StepTimer, out: dict[str, float]) -> None:
 
 def _busy_steps_beside_a_spinner() -> dict[str, float]:
     """3 steps of 0.1 s busy work on a CPU that a busy loop of another process shares: the timer's summary."""
-    spinner = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+    spin = "import os; os.sched_setaffinity(0, {0}); print('spinning', flush=True)\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     summary: dict[str, float] = {}
     try:
-        time.sleep(0.2)  # the spinner is running
+        assert spinner.stdout is not None and spinner.stdout.readline() == "spinning\n"  # on CPU 0 from now on
         worker = threading.Thread(target=_timed_busy_steps, args=(StepTimer(torch.device("cpu"), False), summary))
         worker.start()
         worker.join(30)
