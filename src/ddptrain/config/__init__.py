@@ -18,6 +18,7 @@ from pydantic_core import PydanticSerializationError
 
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
 from ddptrain.config.data import DataConfig
+from ddptrain.config.kinds import EVERY_STEP
 from ddptrain.config.model import AdapterConfig, HFModelConfig, ModelConfig
 from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig, current_keys
 from ddptrain.config.train import OptimConfig, ScheduleConfig, TrainConfig
@@ -94,6 +95,11 @@ class Config(Section):
                 "changing loss scale; use train.precision=bf16 or fp32"
             )
         return self
+
+    @property
+    def sync_kind(self) -> str:
+        """How the ranks synchronize: config/kinds.py's SYNCS name for this config."""
+        return EVERY_STEP
 
     @property
     def run_dir(self) -> Path:

@@ -99,3 +99,13 @@ GRAD_COMPRESSIONS = Registry(
     },
     {NO_COMPRESSION: "fp32 all-reduce, every byte"},
 )  # fmt: skip
+
+_SYNC = "ddptrain.train.sync"
+EVERY_STEP = "every_step"  # the synchronization of every run today
+SYNCS = Registry(
+    "the synchronization",
+    "a synchronization",
+    {
+        EVERY_STEP: Kind(f"{_SYNC}.every_step:EveryStep", "every step reduces the gradients (DDP, FSDP; dist.grad_compression)"),
+    },
+)  # fmt: skip
