@@ -420,7 +420,9 @@ def _write_config(cfg: Config) -> None:
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
     env = read_torchrun_env()
-    cfg.check_world_size(env[1] if env else 1)  # fail on an indivisible batch or shard group before any rendezvous
+    cfg.check_world_size(
+        env[1] if env else 1, env[3] if env else 1
+    )  # an indivisible batch or group: before any rendezvous
     enable_flight_recorder(stacks_dir(cfg.run_dir))  # torch reads it when the process group is created
     ctx = init_distributed(cfg.dist)
     try:

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
-from ddptrain.config.kinds import NO_COMPRESSION
+from ddptrain.config.kinds import EVERY_STEP, NO_COMPRESSION
 from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DdptrainError
@@ -65,6 +65,11 @@ def check_in_place(cfg: Config) -> None:
     """ConfigError for what the in-place mode does not train (checked before it reaches the Lighthouse)."""
     if cfg.dist.strategy != "ddp":
         raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
+    if cfg.sync_kind != EVERY_STEP:
+        raise ConfigError(
+            "in-place fault tolerance synchronizes every step: train.diloco is not supported with it yet "
+            "(its quorum, commit and heal at outer syncs are the next step: docs/slow-links.md#diloco)"
+        )
     if cfg.dist.grad_compression != NO_COMPRESSION:
         raise ConfigError(
             f"in-place fault tolerance sums the groups' gradients outside DDP's communication hooks: "

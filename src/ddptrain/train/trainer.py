@@ -411,6 +411,7 @@ class Trainer:
             "grad_accum": self.accum,
             "step_time_s": seconds / steps,
             **self.timer.summary(),
+            **self.sync.logged(),
         }
         if self.stream_record is not None:  # a mixture: how many samples each source gave so far
             record.update(self.stream_record(self.step))
@@ -425,7 +426,9 @@ class Trainer:
         self.metrics.write("train", **record)
         self.hooks.call("on_log", record)
         shown: dict[str, Any] = {
-            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", *custom) if k in record
+            k: record[k]
+            for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "outer_syncs", *custom)
+            if k in record
         }
         self.progress.update(self.step, shown)
 

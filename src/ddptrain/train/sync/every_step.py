@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ddptrain.checkpoint.formats.base import COMPRESSION_STATE
+from ddptrain.errors import CheckpointError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.compression import Compression
 from ddptrain.train.compression import attach as attach_compression
@@ -26,7 +27,15 @@ class EveryStep(Sync):
         self.compression = attach_compression(self.cfg.dist, ddp, timer)
 
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
-        """PowerSGD continues from this rank's saved state (or starts fresh, said in a warning); shared as it is."""
+        """PowerSGD continues from this rank's saved state (or starts fresh, said in a warning); shared as it is.
+        CheckpointError (exit 2) for a DiLoCo run's checkpoint: its optimizer state is the outer optimizer's."""
+        saved = shared["trainer"].get("sync")
+        if saved is not None:
+            raise CheckpointError(
+                f"cannot resume without train.diloco from a checkpoint DiLoCo saved (every_steps="
+                f"{saved['every_steps']}, {saved['groups']} group(s)): resume with the same train.diloco, or start a "
+                "new folder from its global weights (model.init_from)"
+            )
         if self.compression is not None:
             saved = local.get(COMPRESSION_STATE) if local is not None else None
             self.compression.load_state_dict(saved, shared["trainer"]["step"])
