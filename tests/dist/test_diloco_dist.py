@@ -14,6 +14,7 @@ from helpers import cached_run, final_model_state, read_metrics, run_ddptrain
 from toys import FAULTY
 
 from ddptrain.checkpoint import verify_checkpoint
+from ddptrain.cli import main
 
 pytestmark = pytest.mark.dist
 
@@ -62,13 +63,18 @@ def test_a_group_killed_mid_interval_resumes_bit_exact(reference: Path, restarte
 
 
 @pytest.mark.timeout(60)
-def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(restarted: tuple[Path, str]) -> None:
+def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
+    restarted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     run, said = restarted
     records = {m["step"]: m for m in read_metrics(run)}
     assert all(m["outer_syncs"] == s // H + (s == STEPS) for s, m in records.items()), records
     assert {m["diloco_groups"] for m in records.values()} == {2}
     assert all(m["outer_sync_s"] >= 0 for m in records.values())
     assert "outer_syncs 3" in said  # the progress line
+    assert main(["report", str(run)]) == 0  # in this process
+    shown = capsys.readouterr().out
+    assert "DiLoCo: 2 groups, 3 outer syncs by step 10 (0.000644 MB all-reduced each)" in shown, shown
     ckpts = run / "checkpoints"
     final = ckpts / f"step-{STEPS:08d}"
     manifest = json.loads((final / "manifest.json").read_text())
