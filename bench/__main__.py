@@ -4,6 +4,7 @@ python -m bench all                 # the full run (make bench), ~10 minutes on 
 python -m bench overhead peers      # some figures
 python -m bench all --smoke         # tiny sizes, one round: checks that everything starts
 python -m bench goodput ft_overhead # only when named (root, torchft; minutes): fault tolerance
+python -m bench diloco              # only when named (root; minutes): DiLoCo against DDP on a 50 Mbit/s link
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ FIGURES = [
     "prepare",
 ]
 # Run only when named: they need root (namespace hosts) or torchft, and take minutes even in smoke mode.
-ON_DEMAND = ["goodput", "ft_overhead"]
+ON_DEMAND = ["goodput", "ft_overhead", "diloco"]
 
 
 def _figures(names: list[str]) -> list[tuple[str, Callable[[Options], tuple[list[Row], dict[str, Any]]]]]:

@@ -3,7 +3,8 @@
 fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps (or an early stop, a hook's
                  stop: train/early_stop.py, train/hooks.py); the run's observers (watchdog, throughput,
                  certificate, stragglers, replica checks) hear the loop's events (`observers`, train/hooks.py)
-train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
+train_step()     accumulate micro-batches (all-reduce only on the last, over the sync's ranks), clip, step,
+                 then the sync's after_update (train/sync/: DiLoCo's outer step every H steps);
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss (and metrics of your own) over all ranks
 log_eval()       records an evaluation; train.early_stop judges it (train/early_stop.py)
