@@ -1,12 +1,14 @@
-"""Training across a slow link: samples/s of each way to synchronize on 2 namespace hosts whose links
-are limited with `tc tbf`, against synchronous DDP on the unlimited link (the compute-bound rate).
+"""Training across a slow link: each way to synchronize on 2 namespace hosts whose links are limited with
+`tc tbf`, against synchronous DDP on the unlimited link (the compute-bound rate).
 
 Each job is issue 37's setting: one rank per host (gloo), the 3.2M-parameter GPT (`model.n_layer=4
-model.n_head=4 model.n_embd=256`), global batch 32, started as a user would (`ddptrain launch` on each
-host, bench/ft_jobs.py's RestartJob). Its rate is read from metrics.jsonl: samples between the first
-logged step after warm-up and the last, over the time between them (start-up and the first steps'
-warm-up excluded). Rounds alternate the order of the modes. Needs root (network namespaces); run only
-when named: `python -m bench slow_links`.
+model.n_head=4 model.n_embd=256`), global batch 32, STEPS steps on the same samples, started as a user
+would (`ddptrain launch` on each host, bench/ft_jobs.py's RestartJob); DiLoCo makes a group of each host
+with its default outer settings. Per job: samples/s between the first logged step after the warm-up and
+the last (start-up excluded), the validation loss at the last step (an outer sync for every H here), and
+DiLoCo's outer syncs. Rounds alternate the order of the modes. Needs root (network namespaces); run only
+when named: `python -m bench slow_links` (the synchronous fp32 job alone takes ~5 minutes a round).
+Smoke: a tiny GPT, 6 steps, DiLoCo H=2 and 3, no limit.
 """
 
 from __future__ import annotations
@@ -22,14 +24,7 @@ from bench.ft_jobs import RestartJob, read_jsonl
 
 GPT_3M = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=64"]
 GPT_TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
-JOB = [
-    "data.micro_batch_size=16",
-    "train.global_batch_size=32",
-    "train.eval_every=0",
-    "ckpt.every_steps=0",
-    "log.every_steps=1",
-    "train.warmup_steps=5",
-]
+STEPS = 100  # a multiple of every DiLoCo H below: the last step evaluates at an outer sync
 WARM_STEPS = 4  # the first steps build DDP's buckets; PowerSGD compresses from step 3 on: not measured
 MODES = {
     "sync fp32": [],
@@ -39,10 +34,35 @@ MODES = {
         "dist.powersgd_rank=4",
         f"dist.powersgd_start_step={WARM_STEPS - 1}",
     ],
+    "DiLoCo H=20": ["train.diloco.every_steps=20"],
+    "DiLoCo H=50": ["train.diloco.every_steps=50"],
+}
+SMOKE_MODES = {
+    "sync fp32": [],
+    "DiLoCo H=2": ["train.diloco.every_steps=2"],
+    "DiLoCo H=3": ["train.diloco.every_steps=3"],
 }
 UNLIMITED = "sync fp32, unlimited link"
 RATE = "50mbit"
 HOSTS = 2
+
+
+def job_args(opts: Options) -> list[str]:
+    """The training job every mode runs (modes add their own settings)."""
+    steps = 6 if opts.smoke else STEPS
+    return [
+        f"data.dir={opts.data_dir}",
+        *(GPT_TINY if opts.smoke else GPT_3M),
+        "data.micro_batch_size=16",
+        "train.global_batch_size=32",
+        "train.warmup_steps=5",
+        f"train.max_steps={steps}",
+        f"train.eval_every={steps}",
+        f"log.every_steps={2 if opts.smoke else 10}",
+        "ckpt.every_steps=0",
+        "log.certificate=false",
+        "dist.startup_timeout_s=120",
+    ]
 
 
 def samples_per_s(records: list[dict[str, Any]], warm: int) -> float:
@@ -53,8 +73,8 @@ def samples_per_s(records: list[dict[str, Any]], warm: int) -> float:
     return float((last["step"] - first["step"]) * last["global_batch_size"] / (last["time"] - first["time"]))
 
 
-def run_job(folder: Path, train: list[str], rate: str | None, timeout_s: float) -> float:
-    """One job to its end on fresh hosts (rate-limited unless rate is None); its samples/s."""
+def run_job(folder: Path, train: list[str], rate: str | None, warm: int, timeout_s: float) -> dict[str, Any]:
+    """One job to its end on fresh hosts (rate-limited unless rate is None): samples/s, val loss, outer syncs."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     job = RestartJob(folder, HOSTS, train, HOSTS)
@@ -74,29 +94,50 @@ def run_job(folder: Path, train: list[str], rate: str | None, timeout_s: float) 
             raise RuntimeError(f"slow_links: {folder.name}: hosts exited {failed}\n{tail}")
     finally:
         job.close()
-    return samples_per_s(read_jsonl(job.run_dir / "metrics.jsonl"), WARM_STEPS)
+    records = read_jsonl(job.run_dir / "metrics.jsonl")
+    train_rows = [r for r in records if r["kind"] == "train"]
+    return {
+        "samples_per_s": samples_per_s(records, warm),
+        "val_loss": [r for r in records if r["kind"] == "eval"][-1]["val_loss"],
+        "outer_syncs": train_rows[-1].get("outer_syncs", 0),
+        "outer_sync_s": sum(r.get("outer_sync_s", 0.0) for r in train_rows),
+    }
+
+
+def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool) -> list[Row]:
+    figure = f"slow links ({HOSTS} hosts, {'no limit: smoke' if smoke else RATE})"
+    free = summary([r["samples_per_s"] for r in results[UNLIMITED]])["median"]
+    sync_loss = results[UNLIMITED][0]["val_loss"]  # every synchronous mode computes the same losses
+    rows = [Row(figure, f"{UNLIMITED}: samples/s", summary([r["samples_per_s"] for r in results[UNLIMITED]]),
+                "samples/s", note=f"val loss {sync_loss:.4f}")]  # fmt: skip
+    for name, runs in results.items():
+        if name == UNLIMITED:
+            continue
+        h50 = name == "DiLoCo H=50"
+        loss = runs[0]["val_loss"] / sync_loss
+        note = f"val loss {loss:.3f}x synchronous DDP's"
+        if runs[0]["outer_syncs"]:
+            note += f"; {runs[0]['outer_syncs']} outer syncs, {runs[0]['outer_sync_s']:.1f} s blocked in them"
+        ratio = summary([r["samples_per_s"] / free for r in runs])
+        rows.append(Row(figure, f"{name}: samples/s", summary([r["samples_per_s"] for r in runs]), "samples/s"))
+        rows.append(Row(figure, f"{name}: vs unlimited sync", ratio, "x", target=">= 0.9" if h50 else "",
+                        met=ratio["median"] >= 0.9 if h50 else None, note=note))  # fmt: skip
+    return rows
 
 
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
-    """Rows: each mode's samples/s on the limited link and its ratio to the unlimited-link synchronous rate."""
-    steps = WARM_STEPS + (3 if opts.smoke else 30)
-    model = GPT_TINY if opts.smoke else GPT_3M
-    base = [*JOB, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}"]
-    variants = {UNLIMITED: (base, None), **{m: ([*base, *extra], RATE) for m, extra in MODES.items()}}
-    rates: dict[str, list[float]] = {name: [] for name in variants}
+    """Rows: each mode's samples/s on the limited link, its ratio to the unlimited-link synchronous rate and its
+    validation loss against synchronous DDP's; data: every job's figures."""
+    modes = SMOKE_MODES if opts.smoke else MODES
+    variants = {UNLIMITED: ([], None), **{m: (extra, None if opts.smoke else RATE) for m, extra in modes.items()}}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     folder = opts.work_dir / "slow_links"
-    for r in range(opts.warmup + opts.rounds if not opts.smoke else 1):
+    for r in range(1 if opts.smoke else opts.warmup + opts.rounds):
         for name in opts.order(list(variants), r):
-            train, rate = variants[name]
+            extra, rate = variants[name]
             print(f"slow_links: round {r}: {name} ...", file=sys.stderr, flush=True)
-            value = run_job(folder / name.replace(" ", "_").replace("=", ""), train, rate, timeout_s=900)
+            slug = name.replace(" ", "_").replace("=", "").replace(",", "")
+            result = run_job(folder / slug, [*job_args(opts), *extra], rate, 0 if opts.smoke else WARM_STEPS, 900)
             if opts.smoke or r >= opts.warmup:
-                rates[name].append(value)
-    figure = f"slow links ({HOSTS} hosts, {RATE})"
-    reference = summary(rates[UNLIMITED])["median"]
-    rows = [Row(figure, f"{UNLIMITED}: samples/s", summary(rates[UNLIMITED]), "samples/s")]
-    for name in MODES:
-        rows.append(Row(figure, f"{name}: samples/s", summary(rates[name]), "samples/s"))
-        ratio = summary([v / reference for v in rates[name]])
-        rows.append(Row(figure, f"{name}: vs unlimited sync", ratio, "x", note="per round, against the median"))
-    return rows, {"samples_per_s": rates, "rate": RATE, "steps": steps, "model": model}
+                results[name].append(result)
+    return _rows(results, opts.smoke), {"results": results, "rate": RATE, "hosts": HOSTS}

@@ -101,7 +101,7 @@ def check_worker_command(command: Sequence[str], nnodes: str, nproc: str) -> Non
     low, high = node_counts(nnodes)
     per_node = nproc_per_node(nproc)
     if per_node is not None and low == high:
-        cfg.check_world_size(low * per_node)
+        cfg.check_world_size(low * per_node, per_node)
 
 
 COMMANDS: dict[str, Command] = {

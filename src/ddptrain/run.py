@@ -13,7 +13,8 @@ would deadlock the job):
  3b. data identity           every rank describes its data, all compare (all_gather_object): a rank
                              with different data stops the job (exit 2) before the first step
  4. model                    seeded identically on every rank (model.peft: base weights and adapters,
-                             checkpoint/adapters.py), wrapped (train/parallel.py): DDP broadcasts
+                             checkpoint/adapters.py); the sync (train/sync/) creates its own groups
+                             (setup: none for every-step sync), then wraps the model (train/parallel.py): DDP broadcasts
                              rank 0's weights; fsdp shards each rank's copy in place (fully_shard runs
                              no collective; its mesh is the training group); hsdp first creates the
                              mesh's replicate and shard groups (init_device_mesh: new_group calls)
@@ -89,11 +90,11 @@ from ddptrain.train.compression import check_backend
 from ddptrain.train.hooks import Hooks
 from ddptrain.train.in_place import InPlaceSession
 from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place, check_in_place_data
-from ddptrain.train.parallel import wrap_model
 from ddptrain.train.preemption import StopRequest
-from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, ReplicaGuard, replica_groups
+from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, ReplicaGuard
 from ddptrain.train.rng import seed_everything
 from ddptrain.train.start import resume_or_start, say
+from ddptrain.train.sync import build_sync
 from ddptrain.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,9 @@ def _build(
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
     module, base = with_adapters(module, cfg.model, live=built is not None)  # model.peft: base digested, adapters on
-    wrapped = wrap_model(module, cfg, ctx)
+    sync = build_sync(cfg, ctx)  # how the ranks agree (train/sync/): its groups, then the wrapped module
+    sync.setup()
+    wrapped = sync.wrap(module)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)
     progress = Progress(ctx.is_main, cfg.train.max_steps, 0)
     metrics = MetricsWriter(run_dir, ctx.is_main, build_sinks(cfg, ctx, say))
@@ -344,7 +347,7 @@ def _build(
     lost = lease.check_lost if lease is not None else None  # read by rank 0 before each commit
     identity = run_identity(source.resume_identity(), module) | base
     checkpointer = Checkpointer(cfg.ckpt, run_dir, ctx, config, identity, writer, tag, lost)
-    trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress)
+    trainer = trainer_cls(cfg, ctx, wrapped, train_set, val_set, checkpointer, metrics, progress, sync=sync)
     certificate = attach_observers(cfg, ctx, trainer, metrics, train_set)
     trainer.setup()
     checkpointer.setup()
@@ -398,8 +401,7 @@ def attach_observers(
             log_cfg.straggler_window,
         )
     )
-    groups = replica_groups(ctx.world_size, cfg.dist.strategy, cfg.dist.shard_size or 1)
-    check = ReplicaCheck(ctx, log_cfg.replica_check_every, groups)
+    check = ReplicaCheck(ctx, log_cfg.replica_check_every, trainer.sync.replica_groups())
     trainer.observers.attach(
         ReplicaGuard(check, trainer.model, trainer.optimizer, metrics.write, stacks_dir(cfg.run_dir))
     )
@@ -418,7 +420,9 @@ def _write_config(cfg: Config) -> None:
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
     env = read_torchrun_env()
-    cfg.check_world_size(env[1] if env else 1)  # fail on an indivisible batch or shard group before any rendezvous
+    cfg.check_world_size(
+        env[1] if env else 1, env[3] if env else 1
+    )  # an indivisible batch or group: before any rendezvous
     enable_flight_recorder(stacks_dir(cfg.run_dir))  # torch reads it when the process group is created
     ctx = init_distributed(cfg.dist)
     try:

@@ -113,6 +113,50 @@ def test_train_refuses_values_that_cannot_train(
     assert_one_line_exit_2(["train", *tiny, override], message, capsys)
 
 
+DILOCO = [
+    (["dist.strategy=fsdp"], "train.diloco trains each group with DDP: dist.strategy=fsdp is not supported with it"),
+    (["dist.grad_compression=powersgd"], "dist.grad_compression=powersgd is not supported with it"),
+    (["ckpt.format=dcp"], "ckpt.format=dcp is not supported with it"),
+    (["train.eval_every=3"], "train.eval_every=3 must be a multiple of train.diloco.every_steps=2"),
+    (["train.on_nonfinite=stop"], "train.on_nonfinite=stop would stop one group alone: use skip"),
+    (["train.diloco.groups=2"], "train.diloco.groups=2 does not divide the world size 1"),
+    (["train.diloco.outer_momentum=1"], "train.diloco.outer_momentum"),
+    (["train.diloco.outer_lr=0"], "train.diloco.outer_lr"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), DILOCO)
+def test_train_refuses_diloco_combinations_that_cannot_work(
+    overrides: list[str], message: str, tiny: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_exit_2(["train", *tiny, "train.diloco.every_steps=2", *overrides], message, capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_diloco_checkpoint_resumes_only_as_it_was_saved(
+    tiny: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A change of every_steps (or of the groups) and leaving DiLoCo are refused in one line, leaving the folder as
+    it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the global weights."""
+    assert main(["train", *tiny, "train.diloco.every_steps=2", "train.max_steps=3", "ckpt.every_steps=3"]) == 0
+    capsys.readouterr()
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "step-00000003" / "diloco-rank0.pt").is_file()
+    before = _files(run)
+    saved = "from a checkpoint saved with every_steps=2, 1 group(s)"
+    again = ["train", *tiny, "train.max_steps=6"]
+    assert_one_line_exit_2([*again, "train.diloco.every_steps=3"], f"every_steps=3, 1 group(s)) {saved}", capsys)
+    assert_one_line_exit_2(again, "cannot resume without train.diloco from a checkpoint DiLoCo saved", capsys)
+    after = _files(run)
+    assert {k: v for k, v in after.items() if not k.startswith("logs/")} == {
+        k: v for k, v in before.items() if not k.startswith("logs/")
+    }
+
+
 SHARDING = [
     (["dist.strategy=fsdp", "train.precision=fp16"], "train.precision=fp16 is not supported with dist.strategy=fsdp"),
     (["dist.strategy=hsdp", "dist.shard_size=3"], "dist.shard_size=3 does not divide the world size 1"),

@@ -383,6 +383,10 @@ RULES: list[tuple[str, Check | str]] = [
         r"|^ddptrain (eval|report) runs/plateau",
         "metrics of your own, early stopping and a hook's stop: tests/dist/test_metrics_dist.py runs them",
     ),
+    (
+        r"^ddptrain launch --nproc-per-node 2 -- train run\.dir=runs/diloco ",
+        "DiLoCo in 2 groups on 2 ranks: tests/dist/test_diloco_dist.py trains, kills and resumes one",
+    ),
     (r"^ddptrain report runs/empty$", check_error_line),
     (
         r"^(torchrun --standalone --nproc-per-node=2 -m )?ddptrain train (data\.target=counting:|\.\.\. train\.max_steps=12$)",

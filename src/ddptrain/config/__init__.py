@@ -18,6 +18,7 @@ from pydantic_core import PydanticSerializationError
 
 from ddptrain.config.base import MAX_SEED, MAX_TIMEOUT_S, LineText, Section
 from ddptrain.config.data import DataConfig
+from ddptrain.config.kinds import EVERY_STEP
 from ddptrain.config.model import AdapterConfig, HFModelConfig, ModelConfig
 from ddptrain.config.system import CkptConfig, DistConfig, LogConfig, RunConfig, current_keys
 from ddptrain.config.train import OptimConfig, ScheduleConfig, TrainConfig
@@ -95,6 +96,29 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _diloco_fits(self) -> Config:
+        diloco, d, t = self.train.diloco, self.dist, self.train
+        if diloco is None or not diloco.on:
+            return self
+        h = diloco.every_steps
+        refusals = [
+            (d.strategy != "ddp", f"trains each group with DDP: dist.strategy={d.strategy} is not supported with it"),
+            (d.grad_compression == "powersgd", "sends weights, not gradients, across groups: dist.grad_compression=powersgd is not supported with it (fp16 compresses the all-reduce inside a group)"),
+            (self.ckpt.format == "dcp", "saves each rank's own weights beside the global ones: ckpt.format=dcp is not supported with it (use auto or sharded)"),
+            (t.eval_every % h != 0, f"evaluates the global weights, which every group holds at an outer sync only: train.eval_every={t.eval_every} must be a multiple of train.diloco.every_steps={h} (or 0)"),
+            (t.on_nonfinite == "stop", "skips a non-finite step in the group that met it; train.on_nonfinite=stop would stop one group alone: use skip"),
+        ]  # fmt: skip
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"train.diloco {why}")
+        return self
+
+    @property
+    def sync_kind(self) -> str:
+        """How the ranks synchronize (config/kinds.py's SYNCS): DiLoCo when train.diloco.every_steps is set."""
+        return "diloco" if self.train.diloco is not None and self.train.diloco.on else EVERY_STEP
+
     @property
     def run_dir(self) -> Path:
         """The resolved output folder of this run."""
@@ -111,9 +135,13 @@ class Config(Section):
             )
         return self.train.global_batch_size // per_step
 
-    def check_world_size(self, world_size: int) -> None:
-        """Refuse (ConfigError) a world size the batch or the shard groups cannot split over."""
+    def check_world_size(self, world_size: int, local_world_size: int | None = None) -> None:
+        """Refuse (ConfigError) a world size the batch, the shard groups or the DiLoCo groups cannot split over
+        (local_world_size: the ranks of a node, when known: train.diloco.groups=0 makes a group of each node)."""
         self.grad_accum_steps(world_size)
+        diloco = self.train.diloco
+        if diloco is not None and diloco.on:
+            diloco.group_count(world_size, local_world_size or world_size)
         d = self.dist
         if d.strategy == "hsdp" and world_size % (d.shard_size or world_size):
             raise ConfigError(

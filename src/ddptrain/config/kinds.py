@@ -99,3 +99,14 @@ GRAD_COMPRESSIONS = Registry(
     },
     {NO_COMPRESSION: "fp32 all-reduce, every byte"},
 )  # fmt: skip
+
+_SYNC = "ddptrain.train.sync"
+EVERY_STEP = "every_step"  # the synchronization of a run without train.diloco
+SYNCS = Registry(
+    "the synchronization",
+    "a synchronization",
+    {
+        EVERY_STEP: Kind(f"{_SYNC}.every_step:EveryStep", "every step reduces the gradients (DDP, FSDP; dist.grad_compression)"),
+        "diloco": Kind(f"{_SYNC}.diloco:DiLoCo", "groups take train.diloco.every_steps inner steps, then an outer step on their mean pseudo-gradient"),
+    },
+)  # fmt: skip

@@ -9,6 +9,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ddptrain.config.base import LineText, Section
 from ddptrain.config.kinds import DEFAULT_SCHEDULE, SCHEDULES
+from ddptrain.errors import ConfigError
 
 # A metric name every tracker takes as it is (MLflow, TensorBoard, W&B) and a Python identifier's shape.
 METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
@@ -35,6 +36,48 @@ class EarlyStopConfig(Section):
                 "(e.g. val_accuracy)"
             )
         return value
+
+
+class DiLoCoConfig(Section):
+    every_steps: int = Field(
+        0,
+        ge=0,
+        description="H: inner steps between two outer syncs (DiLoCo, docs/slow-links.md#diloco); every H-th step and the last one sync the groups' weights; 0 turns DiLoCo off.",
+    )
+    outer_lr: float = Field(
+        0.7,
+        gt=0,
+        le=10,
+        description="The outer SGD's learning rate on the groups' mean pseudo-gradient (1.0 with momentum 0: plain averaging of the groups' weights).",
+    )
+    outer_momentum: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="The outer SGD's Nesterov momentum; 0: none. 0.5 with outer_lr 0.7 came out best on runs of a few hundred steps; the papers' 0.9 suits thousands (docs/slow-links.md#diloco).",
+    )
+    groups: int = Field(
+        0,
+        ge=0,
+        description="DiLoCo groups, each training with DDP over its own ranks: 0 is one group per node (torchrun's LOCAL_WORLD_SIZE ranks), N splits the world into N groups of consecutive ranks (N must divide the world size).",
+    )
+
+    @property
+    def on(self) -> bool:
+        """Whether DiLoCo trains this run."""
+        return self.every_steps > 0
+
+    def group_count(self, world_size: int, local_world_size: int) -> int:
+        """How many groups the world trains in (ConfigError when they cannot be of equal size)."""
+        per = (
+            f"train.diloco.groups={self.groups}"
+            if self.groups
+            else f"groups=0 (one per node): {local_world_size} ranks per node"
+        )
+        groups = self.groups or world_size // max(local_world_size, 1)
+        if not groups or world_size % groups or (not self.groups and world_size % local_world_size):
+            raise ConfigError(f"{per} does not divide the world size {world_size}: DiLoCo needs groups of equal size")
+        return groups
 
 
 class TrainConfig(Section):
@@ -72,6 +115,10 @@ class TrainConfig(Section):
     early_stop: EarlyStopConfig | None = Field(
         None,
         description="Stop when an evaluation metric stops improving: {metric, patience, min_delta, mode}; the best checkpoint is kept (checkpoints/best.json). None: train to max_steps.",
+    )
+    diloco: DiLoCoConfig | None = Field(
+        None,
+        description="Train in DiLoCo groups that synchronize their weights every few steps instead of their gradients every step: {every_steps, outer_lr, outer_momentum, groups} (docs/slow-links.md#diloco). None: every step all-reduces the gradients.",
     )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",

@@ -102,7 +102,7 @@ class JobSpec:
             )
         for n in range(min_nodes, self.nodes + 1):
             try:
-                cfg.check_world_size(n * self.procs)
+                cfg.check_world_size(n * self.procs, self.procs)
             except ConfigError as e:
                 raise ConfigError(f"at {n} node(s) x {self.procs} process(es): {e}") from None
 

@@ -254,6 +254,18 @@ def _mixture_line(train: list[dict[str, Any]]) -> list[str]:
     return [f"data mixture: {parts} by step {last['step']}"]
 
 
+def _diloco_line(train: list[dict[str, Any]]) -> list[str]:
+    """DiLoCo's groups, outer syncs, their bytes and the time the steps spent blocked in them (train/sync/diloco.py)."""
+    synced = [r for r in train if isinstance(r.get("outer_syncs"), int)]
+    if not synced:
+        return []
+    last, blocked = synced[-1], sum(float(r.get("outer_sync_s", 0.0)) for r in synced)
+    return [
+        f"DiLoCo: {last.get('diloco_groups', '?')} groups, {last['outer_syncs']} outer syncs by step {last['step']} "
+        f"({last.get('outer_sync_bytes', 0) / 1e6:.4g} MB all-reduced each), {blocked:,.2f} s blocked in them"
+    ]
+
+
 def _throughput_key(train: list[dict[str, Any]]) -> str:
     return "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
 
@@ -471,6 +483,7 @@ def summarize(
         lines.append(f"best val loss: {best['val_loss']:.4f} at step {best['step']} (last {val[-1]['val_loss']:.4f})")
     lines += _metric_lines(train, evals)
     lines += _mixture_line(train)
+    lines += _diloco_line(train)
     lines += _throughput_lines(story, _throughput_key(train))
     if "peak_mem_mb" in last:
         lines.append(f"peak memory: {last['peak_mem_mb']:,.0f} MiB ({last.get('peak_mem_kind', '?')}, rank 0)")

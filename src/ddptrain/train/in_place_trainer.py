@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from ddptrain.checkpoint import Checkpointer
 from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
-from ddptrain.config.kinds import NO_COMPRESSION
+from ddptrain.config.kinds import EVERY_STEP, NO_COMPRESSION
 from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DdptrainError
@@ -52,6 +52,7 @@ from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
 from ddptrain.train.peer_watch import SILENT_S
 from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT, StopRequest
+from ddptrain.train.sync import Sync
 from ddptrain.train.trainer import StepResult, Trainer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ def check_in_place(cfg: Config) -> None:
     """ConfigError for what the in-place mode does not train (checked before it reaches the Lighthouse)."""
     if cfg.dist.strategy != "ddp":
         raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
+    if cfg.sync_kind != EVERY_STEP:
+        raise ConfigError(
+            "in-place fault tolerance synchronizes every step: train.diloco is not supported with it yet "
+            "(its quorum, commit and heal at outer syncs are the next step: docs/slow-links.md#diloco)"
+        )
     if cfg.dist.grad_compression != NO_COMPRESSION:
         raise ConfigError(
             f"in-place fault tolerance sums the groups' gradients outside DDP's communication hooks: "
@@ -105,8 +111,9 @@ class InPlaceTrainer(Trainer):
         metrics: MetricsWriter,
         progress: Progress,
         session: InPlaceSession,
+        sync: Sync | None = None,
     ) -> None:
-        super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress)
+        super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress, sync)
         self.train_set = train_set  # map-style: check_in_place_data refused any other before the folder was written
         self.group_id = session.env.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
@@ -140,6 +147,7 @@ class InPlaceTrainer(Trainer):
         """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager),
         and take the first one: a group of another recipe than the job's stops there (exit 2) before it heals,
         trains or writes anything (run.py writes config.yaml and the held logs once this returns)."""
+        super().after_resume()
         self.session.start(self.step, self.live_state, self.load_live_state, self.recipe)
         if self.step < self.cfg.train.max_steps:
             self.pending = self.admitted_view()

@@ -3,7 +3,8 @@
 fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps (or an early stop, a hook's
                  stop: train/early_stop.py, train/hooks.py); the run's observers (watchdog, throughput,
                  certificate, stragglers, replica checks) hear the loop's events (`observers`, train/hooks.py)
-train_step()     accumulate micro-batches (all-reduce only on the last), clip, step;
+train_step()     accumulate micro-batches (all-reduce only on the last, over the sync's ranks), clip, step,
+                 then the sync's after_update (train/sync/: DiLoCo's outer step every H steps);
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss (and metrics of your own) over all ranks
 log_eval()       records an evaluation; train.early_stop judges it (train/early_stop.py)
@@ -26,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import Checkpointer, SaveResult, VerifiedCheckpoint
-from ddptrain.checkpoint.formats.base import COMPRESSION_STATE
 from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
@@ -38,7 +38,6 @@ from ddptrain.observe.metrics import MetricsWriter, Progress
 from ddptrain.observe.perf import StepTimer
 from ddptrain.observe.recovery import RecoveryTimeline
 from ddptrain.train.agreement import StopAgreement
-from ddptrain.train.compression import attach as attach_compression
 from ddptrain.train.custom_metrics import CustomMetrics, merge_metrics
 from ddptrain.train.data_input import micro_batch_weights, training_input
 from ddptrain.train.early_stop import Verdict, build_early_stop
@@ -51,6 +50,7 @@ from ddptrain.train.precision import NonFiniteSteps, Precision
 from ddptrain.train.preemption import HOOK_STOP, LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, apply_lr, build_schedule, config_plan
+from ddptrain.train.sync import Sync, build_sync
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class StepResult:
 class Trainer:
     """Trains one model with DDP on the ranks of `ctx`.
 
-    `model` comes already wrapped by train.parallel.wrap_model: constructing a Trainer runs no collective.
+    `model` comes already wrapped by `sync.wrap` (run.py; train/sync/): constructing a Trainer runs no collective.
+    sync: how the ranks agree on gradients and weights (None: the config's, built here; it wraps nothing then).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class Trainer:
         checkpointer: Checkpointer,
         metrics: MetricsWriter,
         progress: Progress,
+        sync: Sync | None = None,
     ) -> None:
         self.cfg, self.ctx, self.checkpointer = cfg, ctx, checkpointer
         self.metrics, self.progress, self.val_set = metrics, progress, val_set
@@ -103,7 +105,8 @@ class Trainer:
         self.stream_record: Callable[[int], dict[str, Any]] | None = getattr(train_set, "stream_record", None)
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
-        self.compression = attach_compression(cfg.dist, self.ddp, self.timer)  # then compresses them
+        self.sync = sync if sync is not None else build_sync(cfg, ctx)
+        self.sync.attach(self.ddp, self.timer, self.model, self.optimizer)  # e.g. compresses the stamped buckets
         self.step = 0
         self.window = LogWindow(ctx.device)  # the steps since the last logged one (saved with the state)
         self.world_size = ctx.world_size  # the ranks that took part in the last step
@@ -118,7 +121,8 @@ class Trainer:
         self.agreement.setup()
 
     def after_resume(self) -> None:
-        """All ranks, once the resume decided the first step: nothing here (the in-place mode joins its quorum)."""
+        """All ranks, once the resume decided the first step: the sync begins (the in-place mode joins its quorum)."""
+        self.sync.begin()
 
     def close(self) -> None:
         """Release what the trainer holds beyond the run's parts: nothing here (the in-place mode: its Manager)."""
@@ -158,11 +162,13 @@ class Trainer:
         self.timer.start()
         batches = [self.next_batch() for _ in range(self.accum)]
         self.timer.lap("data")
-        weights = micro_batch_weights(batches, self.ctx)  # batches with labels: the step's mean over target tokens
+        # batches with labels: the step's mean over the target tokens of the ranks that average their gradients
+        weights = micro_batch_weights(batches, self.sync.step_ctx)
         loss_sum = self.forward_backward(batches, [1 / self.accum] * self.accum if weights is None else weights)
         self.sampler.advance()
         norm, skipped = self.apply_update()
         self.step += 1
+        self.sync.after_update(self.step)
         return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
 
     def forward_backward(
@@ -273,10 +279,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """All ranks: save the current step (each rank writes its share of the state, and its own RNG)."""
         local: dict[str, Any] = {"rng": rng_state()}
-        compressed = self.compression.state_dict() if self.compression is not None else None
-        if compressed is not None:  # PowerSGD's error feedback: every rank's own
-            local[COMPRESSION_STATE] = compressed
-        self.checkpointer.save(self.step, self.state_dict(), local)
+        shared = self.state_dict()
+        self.sync.checkpoint(shared, local)  # e.g. PowerSGD's error feedback: every rank's own
+        self.checkpointer.save(self.step, shared, local)
 
     def resume(self, ckpt: VerifiedCheckpoint) -> None:
         """Load a verified checkpoint; RNGs come back per rank when the world size is unchanged.
@@ -286,9 +291,7 @@ class Trainer:
         under DDP) in place, its format reading the slices each rank needs, whatever world size saved it.
         """
         shared, local = self.checkpointer.restore(ckpt, self.model, self.optimizer)
-        self.load_state_dict(shared)
-        if self.compression is not None:
-            self.compression.load_state_dict(local.get(COMPRESSION_STATE) if local is not None else None, self.step)
+        self.load_state_dict(self.sync.restore(shared, local))
         if local is not None:
             load_rng_state(local["rng"])
         else:
@@ -409,6 +412,7 @@ class Trainer:
             "grad_accum": self.accum,
             "step_time_s": seconds / steps,
             **self.timer.summary(),
+            **self.sync.logged(),
         }
         if self.stream_record is not None:  # a mixture: how many samples each source gave so far
             record.update(self.stream_record(self.step))
@@ -423,7 +427,9 @@ class Trainer:
         self.metrics.write("train", **record)
         self.hooks.call("on_log", record)
         shown: dict[str, Any] = {
-            k: record[k] for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", *custom) if k in record
+            k: record[k]
+            for k in ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "outer_syncs", *custom)
+            if k in record
         }
         self.progress.update(self.step, shown)
 

@@ -31,7 +31,8 @@ from ddptrain.config.kinds import FORMATS
 SHARED_KEYS = ("model", "optimizer", "trainer")
 LOCAL_KEYS = ("rng",)  # every rank's own objects (`<key>-rank<r>.pt`), in every checkpoint
 COMPRESSION_STATE = "grad_compression"  # PowerSGD's per-rank state (train/compression.py), in its runs' only
-OPTIONAL_LOCAL_KEYS = (COMPRESSION_STATE,)  # a rank's own objects a checkpoint may hold
+DILOCO_STATE = "diloco"  # a DiLoCo rank's own weights, inner optimizer and loss scale (train/sync/diloco.py)
+OPTIONAL_LOCAL_KEYS = (COMPRESSION_STATE, DILOCO_STATE)  # a rank's own objects a checkpoint may hold
 
 
 class ReadableCheckpoint(Protocol):

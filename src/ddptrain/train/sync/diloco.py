@@ -1,0 +1,210 @@
+"""DiLoCo (arXiv 2311.08105): groups of ranks train apart for H steps, then agree on their weights in one outer step.
+
+Groups: train.diloco.groups of consecutive ranks (0: one group per node, torchrun's LOCAL_WORLD_SIZE ranks). Inside
+a group the ranks train with DDP over the group's own process group (gradient accumulation as always); the groups
+exchange nothing between outer syncs. After every H-th step (train.diloco.every_steps) and the run's last one
+(train.max_steps), each rank, with the counterparts of its index in the other groups:
+
+  pseudo-gradient   d = global - local                      (one flat buffer: the trainable parameters)
+  all-reduce        d = sum over the groups of d / groups   (the only bytes that cross between groups)
+  outer step        SGD with Nesterov momentum (outer_lr, outer_momentum) on the global weights, d as gradient
+  local := global
+
+Data: the sampler gives each rank its share of every global batch as it does without DiLoCo, so the groups together
+take each global batch once and a group train.global_batch_size / groups samples per inner step.
+State: the global weights and the outer momentum are the same on every rank; the local weights, the inner optimizer
+and the fp16 loss scale are each group's own. A checkpoint holds the global weights as its `model` (what eval,
+export and generate read: the weights every group shares, and at an outer sync every group's own) and the outer
+optimizer as its `optimizer`; each rank's `diloco-rank<r>.pt` holds its local weights, inner optimizer and loss
+scale, so a resume at any step, mid-interval too, is bit for bit the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddptrain.checkpoint.formats.base import DILOCO_STATE
+from ddptrain.config import Config
+from ddptrain.config.train import DiLoCoConfig
+from ddptrain.dist import DistContext
+from ddptrain.errors import CheckpointError
+from ddptrain.observe.perf import StepTimer
+from ddptrain.train.sync.every_step import EveryStep
+
+
+def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.Tensor]) -> torch.Tensor:
+    """global - local of every parameter, flat in parameter order (fp32: what the groups all-reduce)."""
+    return torch.cat([(g - p.detach()).flatten().float() for g, p in zip(global_params, local_params)])
+
+
+def outer_update(outer: torch.optim.Optimizer, global_params: list[torch.Tensor], mean: torch.Tensor) -> None:
+    """The outer optimizer's step on the global weights with the groups' mean pseudo-gradient `mean` as their
+    gradient (flat, in parameter order)."""
+    with torch.no_grad():
+        for g, d in zip(global_params, torch.split(mean, [g.numel() for g in global_params])):
+            g.grad = d.view_as(g).to(g.dtype)
+        outer.step()
+        for g in global_params:
+            g.grad = None
+
+
+def outer_optimizer(params: list[torch.Tensor], cfg: DiLoCoConfig) -> torch.optim.SGD:
+    """SGD at outer_lr with Nesterov momentum outer_momentum (none at 0) over the global weights."""
+    return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+
+
+class DiLoCo(EveryStep):
+    """DDP inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across the groups
+    every train.diloco.every_steps steps; see the module docstring."""
+
+    def __init__(self, cfg: Config, ctx: DistContext) -> None:
+        super().__init__(cfg, ctx)
+        assert cfg.train.diloco is not None  # Config.sync_kind picks DiLoCo only then
+        self.diloco = cfg.train.diloco
+        self.groups = self.diloco.group_count(ctx.world_size, ctx.local_world_size)
+        self.size = ctx.world_size // self.groups  # ranks per group
+        self.group, self.index = divmod(ctx.rank, self.size)  # this rank's group, and its index in it
+        self.inner = ctx  # the group's ranks, once setup() made its process group (one process: the process)
+        self.across: dist.ProcessGroup | None = None  # this rank and its counterparts in the other groups
+        self.names: list[str] = []
+        self.local_params: list[torch.Tensor] = []
+        self.global_params: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+        self.syncs = 0  # outer syncs so far (checkpointed)
+        self.blocked_s = 0.0  # seconds in outer syncs since the last logged step
+        self.loaded = False  # whether restore() set the global weights
+
+    @property
+    def step_ctx(self) -> DistContext:
+        """This rank's group: each step averages the gradients of the group's ranks only."""
+        return self.inner
+
+    def setup(self) -> None:
+        """All ranks, in the same order: every group's process group, then every cross-group one (new_group calls)."""
+        if not self.ctx.is_distributed:
+            return
+        timeout, backend = timedelta(seconds=self.cfg.dist.timeout_s), self.ctx.backend
+        for g in range(self.groups):
+            group = dist.new_group(list(range(g * self.size, (g + 1) * self.size)), timeout=timeout, backend=backend)
+            if g == self.group:
+                self.inner = replace(self.ctx, group=group, rank=self.index, world_size=self.size)
+        for i in range(self.size):
+            across = dist.new_group([g * self.size + i for g in range(self.groups)], timeout=timeout, backend=backend)
+            if i == self.index:
+                self.across = across
+
+    def attach(self, ddp: nn.Module, timer: StepTimer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The group's compression (fp16), and the global weights with their outer optimizer (no collective)."""
+        super().attach(ddp, timer, model, optimizer)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.local_params = [p for _, p in trainable]
+        self.global_params = [p.detach().clone() for p in self.local_params]
+        self.outer = outer_optimizer(self.global_params, self.diloco)
+
+    def begin(self) -> None:
+        """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere."""
+        if not self.loaded:
+            with torch.no_grad():
+                for g, p in zip(self.global_params, self.local_params):
+                    g.copy_(p)
+
+    def after_update(self, step: int) -> None:
+        """After every H-th step and the last: the outer sync (a collective across the groups)."""
+        if step % self.diloco.every_steps == 0 or step == self.cfg.train.max_steps:
+            self.outer_sync()
+
+    def outer_sync(self) -> None:
+        """All ranks: pseudo-gradient, its mean over the groups, the outer step, local := global."""
+        assert self.outer is not None
+        t0 = time.perf_counter()
+        delta = pseudo_gradient(self.global_params, self.local_params)
+        if self.across is not None and self.groups > 1:
+            dist.all_reduce(delta, group=self.across)
+        outer_update(self.outer, self.global_params, delta.div_(self.groups))
+        with torch.no_grad():
+            for g, p in zip(self.global_params, self.local_params):
+                p.copy_(g)
+        if delta.is_cuda:
+            torch.cuda.synchronize(delta.device)  # the time blocked is the all-reduce's, not its enqueueing
+        self.syncs += 1
+        self.blocked_s += time.perf_counter() - t0
+
+    @property
+    def sync_bytes(self) -> int:
+        """Bytes of one outer sync's all-reduce (the fp32 pseudo-gradient): a ring moves 2 (G - 1) / G of them over
+        each rank's link."""
+        return 4 * sum(p.numel() for p in self.local_params)
+
+    def describe(self) -> dict[str, Any]:
+        """What a checkpoint's DiLoCo state must match at a resume."""
+        return {"kind": "diloco", "every_steps": self.diloco.every_steps, "groups": self.groups}
+
+    def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
+        """Shared: the global weights as `model`, the outer optimizer as `optimizer`, the sync count; this rank's
+        `diloco` object: its local weights, inner optimizer and loss scale."""
+        super().checkpoint(shared, local)
+        assert self.outer is not None
+        trainer = shared["trainer"]
+        local[DILOCO_STATE] = {"model": shared["model"], "optimizer": shared["optimizer"], "scaler": trainer["scaler"]}
+        by_storage = {p.data_ptr(): g for p, g in zip(self.local_params, self.global_params)}
+        # A tied weight is in the state dict under each of its names: each name gets the global tensor.
+        shared["model"] = {k: by_storage.get(v.data_ptr(), v) for k, v in shared["model"].items()}
+        shared["optimizer"] = self.outer.state_dict()
+        shared["trainer"] = {**trainer, "sync": {**self.describe(), "syncs": self.syncs}}
+
+    def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
+        """Global weights and outer optimizer from the shared state, and the shared state the Trainer loads with
+        this rank's own weights, inner optimizer and loss scale in it; CheckpointError (exit 2) for a checkpoint of
+        another train.diloco.every_steps or group count, of another world size, or without DiLoCo."""
+        assert self.outer is not None
+        saved = shared["trainer"].get("sync")
+        mine = self.describe()
+        if saved is None or {k: saved.get(k) for k in mine} != mine:
+            had = f"every_steps={saved['every_steps']}, {saved['groups']} group(s)" if saved else "no train.diloco"
+            raise CheckpointError(
+                f"cannot resume DiLoCo (every_steps={mine['every_steps']}, {mine['groups']} group(s)) from a "
+                f"checkpoint saved with {had}: restore those values, or train into a new folder (run.name=NEW_NAME)"
+            )
+        if local is None or DILOCO_STATE not in local:
+            raise CheckpointError(
+                "cannot resume DiLoCo at another world size: each rank's weights and inner optimizer are saved per "
+                "rank (diloco-rank<r>.pt); resume with the world size that saved the checkpoint"
+            )
+        model = shared["model"]
+        with torch.no_grad():
+            for name, g in zip(self.names, self.global_params):
+                g.copy_(model[name])
+        self.outer.load_state_dict(shared["optimizer"])
+        for group in self.outer.param_groups:  # the config's outer settings win (a documented change at resume)
+            group.update(lr=self.diloco.outer_lr, momentum=self.diloco.outer_momentum)
+            group.update(nesterov=self.diloco.outer_momentum > 0)
+        self.syncs, self.loaded = int(saved["syncs"]), True
+        own = local[DILOCO_STATE]
+        trainer = {**shared["trainer"], "scaler": own["scaler"]}
+        return {**shared, "model": own["model"], "optimizer": own["optimizer"], "trainer": trainer}
+
+    def logged(self) -> dict[str, Any]:
+        """outer_syncs so far, outer_sync_bytes (one sync's all-reduce), outer_sync_s (blocked since the last
+        logged step), diloco_groups."""
+        blocked, self.blocked_s = self.blocked_s, 0.0
+        return {
+            "outer_syncs": self.syncs,
+            "outer_sync_bytes": self.sync_bytes,
+            "outer_sync_s": blocked,
+            "diloco_groups": self.groups,
+        }
+
+    def replica_groups(self) -> list[list[int]]:
+        """Each group's ranks (groups of several): they hold the same weights and inner optimizer at every step; the
+        groups differ between outer syncs."""
+        if self.size == 1:
+            return []
+        return [list(range(g * self.size, (g + 1) * self.size)) for g in range(self.groups)]

@@ -1,0 +1,91 @@
+"""DiLoCo on 2 launched gloo ranks in 2 groups of 1 (the fault toy): one job whose rank 1 fails mid-interval and is
+restarted by its launcher (--max-restarts 1) resumes from a checkpoint taken between outer syncs and trains bit for
+bit the uninterrupted run; its metrics, checkpoints and final weights are then read by several assertions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import cached_run, final_model_state, read_metrics, run_ddptrain
+from toys import FAULTY
+
+from ddptrain.checkpoint import verify_checkpoint
+from ddptrain.cli import main
+
+pytestmark = pytest.mark.dist
+
+STEPS, H = 10, 4  # outer syncs after steps 4, 8 and 10 (the last); checkpoints at 3, 6, 9 and 10
+
+
+def args(out: str, *extra: str) -> list[str]:
+    return ["train", *FAULTY, f"run.dir={out}", f"train.max_steps={STEPS}", "log.every_steps=1",
+            "ckpt.every_steps=3", f"train.diloco.every_steps={H}", "train.diloco.groups=2", *extra]  # fmt: skip
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}  # a step trained again: its last record
+
+
+def own_weights(ckpt: Path, rank: int) -> dict[str, torch.Tensor]:
+    state: dict[str, Any] = verify_checkpoint(ckpt).load(f"diloco-rank{rank}.pt")
+    return dict(state["model"])
+
+
+@pytest.fixture(scope="module")
+def reference(reference_cache: Path) -> Path:
+    return cached_run(reference_cache, args("{out}"), nproc=2)
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Rank 1 fails in step 8 (its 8th forward), after the checkpoint of step 6, 2 steps past the sync of step 4."""
+    run = tmp_path_factory.mktemp("diloco") / "run"
+    launch = ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--"]
+    done = run_ddptrain([*launch, *args(str(run), "model.kwargs.fail_at=8", "model.kwargs.fail_rank=1")], timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return run, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_group_killed_mid_interval_resumes_bit_exact(reference: Path, restarted: tuple[Path, str]) -> None:
+    run, said = restarted
+    assert "injected failure at forward 8 on rank 1" in said
+    assert "resuming from" in said and "step-00000006 (step 6;" in said
+    ref, got = losses(reference), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == ref[s] for s in got), [(s, got[s], ref[s]) for s in got if got[s] != ref[s]]
+    a, b = final_model_state(reference), final_model_state(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.timeout(60)
+def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
+    restarted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, said = restarted
+    records = {m["step"]: m for m in read_metrics(run)}
+    assert all(m["outer_syncs"] == s // H + (s == STEPS) for s, m in records.items()), records
+    assert {m["diloco_groups"] for m in records.values()} == {2}
+    assert all(m["outer_sync_s"] >= 0 for m in records.values())
+    assert "outer_syncs 3" in said  # the progress line
+    assert main(["report", str(run)]) == 0  # in this process
+    shown = capsys.readouterr().out
+    assert "DiLoCo: 2 groups, 3 outer syncs by step 10 (0.000644 MB all-reduced each)" in shown, shown
+    ckpts = run / "checkpoints"
+    final = ckpts / f"step-{STEPS:08d}"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert sorted(n for n in manifest["files"] if n.startswith("diloco-")) == ["diloco-rank0.pt", "diloco-rank1.pt"]
+    global_weights = final_model_state(run)
+    sent = sum(t.numel() for t in global_weights.values()) * 4  # the fp32 pseudo-gradient of every parameter
+    assert {m["outer_sync_bytes"] for m in records.values()} == {sent}
+    # After the last sync both groups hold the global weights; a step after a sync they differ again.
+    for rank in (0, 1):
+        own = own_weights(final, rank)
+        assert all(torch.equal(own[name], global_weights[name]) for name in global_weights)
+    mid = ckpts / "step-00000009"
+    apart = own_weights(mid, 0), own_weights(mid, 1)
+    assert any(not torch.equal(apart[0][name], apart[1][name]) for name in apart[0])
