@@ -122,6 +122,11 @@ DILOCO = [
     (["train.diloco.groups=2"], "train.diloco.groups=2 does not divide the world size 1"),
     (["train.diloco.outer_momentum=1"], "train.diloco.outer_momentum"),
     (["train.diloco.outer_lr=0"], "train.diloco.outer_lr"),
+    (["train.diloco.outer_dtype=int4"], "train.diloco.outer_dtype"),
+    (["train.diloco.fragments=0"], "train.diloco.fragments"),
+    (["train.diloco.fragments=3"], "train.diloco.fragments=3 must be at most every_steps=2"),
+    (["train.diloco.fragments=2", "train.eval_every=2"], "train.eval_every must be 0 or at least train.max_steps"),
+    (["train.diloco.every_steps=0", "train.diloco.outer_dtype=int8"], "set train.diloco.every_steps above 0"),
 ]
 
 
@@ -133,6 +138,14 @@ def test_train_refuses_diloco_combinations_that_cannot_work(
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+def test_train_refuses_more_fragments_than_trainable_tensors(
+    tiny: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Known once the model is built (as model.shard_units' typos are): the folder then holds its logs only."""
+    fragments = ["train.diloco.every_steps=64", "train.diloco.fragments=64"]
+    assert_one_line_exit_2(["train", *tiny, *fragments], "fragments=64 is more than the model's 9 trainable", capsys)
+
+
 def _files(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
 
@@ -140,16 +153,21 @@ def _files(folder: Path) -> dict[str, int]:
 def test_a_diloco_checkpoint_resumes_only_as_it_was_saved(
     tiny: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A change of every_steps (or of the groups) and leaving DiLoCo are refused in one line, leaving the folder as
-    it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the global weights."""
-    assert main(["train", *tiny, "train.diloco.every_steps=2", "train.max_steps=3", "ckpt.every_steps=3"]) == 0
+    """A change of every_steps, of the groups or of the fragments, and leaving DiLoCo are refused in one line,
+    leaving the folder as it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the global
+    weights. (Trained in 2 fragments sent in int8: fragment 1 syncs after step 1, fragment 0 after 2, both after 3.)"""
+    streaming = ["train.diloco.every_steps=2", "train.diloco.fragments=2", "train.diloco.outer_dtype=int8"]
+    assert main(["train", *tiny, *streaming, "train.max_steps=3", "ckpt.every_steps=3"]) == 0
     capsys.readouterr()
     run = tmp_path / "run"
     assert (run / "checkpoints" / "step-00000003" / "diloco-rank0.pt").is_file()
     before = _files(run)
-    saved = "from a checkpoint saved with every_steps=2, 1 group(s)"
+    saved = "from a checkpoint saved with every_steps=2, 1 group(s), fragments=2"
     again = ["train", *tiny, "train.max_steps=6"]
-    assert_one_line_exit_2([*again, "train.diloco.every_steps=3"], f"every_steps=3, 1 group(s)) {saved}", capsys)
+    refused = f"every_steps=3, 1 group(s), fragments=1) {saved}"
+    assert_one_line_exit_2([*again, "train.diloco.every_steps=3"], refused, capsys)
+    refused = f"every_steps=2, 1 group(s), fragments=1) {saved}"
+    assert_one_line_exit_2([*again, "train.diloco.every_steps=2", "train.diloco.outer_dtype=int8"], refused, capsys)
     assert_one_line_exit_2(again, "cannot resume without train.diloco from a checkpoint DiLoCo saved", capsys)
     after = _files(run)
     assert {k: v for k, v in after.items() if not k.startswith("logs/")} == {

@@ -1,5 +1,6 @@
 """DiLoCo's outer step against a hand computation (two groups simulated in this process), and the sample stream:
-at any number of groups, the groups together take each sample of every global batch once."""
+at any number of groups, the groups together take each sample of every global batch once; the outer dtype's
+rounding and the mean over groups (simulated), and the fragments' schedule."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import ConfigError
 from ddptrain.train.in_place_trainer import check_in_place
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
+from ddptrain.train.sync.fragments import fragments_due, split_fragments
+from ddptrain.train.sync.outer_dtype import (
+    CHUNK,
+    decode,
+    dequantize_int8,
+    encode,
+    group_mean,
+    mean_of_payloads,
+    payload_bytes,
+    quantize_int8,
+)
 
 
 def _drift(params: list[torch.Tensor], seed: int) -> None:
@@ -98,3 +110,109 @@ def test_groups_divide_the_world_and_the_in_place_mode_refuses_diloco() -> None:
     assert cfg.train.diloco is not None and cfg.train.diloco.group_count(8, 8) == 1
     with pytest.raises(ConfigError, match="train.diloco is not supported with it yet"):
         check_in_place(cfg)
+
+
+# ---- outer_dtype: what crosses the groups ---------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3 * CHUNK + 5),
+    scale=st.floats(1e-6, 1e4),
+    seed=st.integers(0, 2**16),
+    zeros=st.booleans(),
+)
+def test_int8_rounds_each_value_within_half_its_chunks_step(n: int, scale: float, seed: int, zeros: bool) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    if zeros:
+        x[: min(n, CHUNK)] = 0.0  # a chunk of zeros: scale 0, values 0
+    q, scales = quantize_int8(x)
+    assert q.dtype == torch.int8 and scales.numel() == -(-n // CHUNK) and int(q.abs().max()) <= 127
+    back = dequantize_int8(q, scales)
+    for c in range(scales.numel()):
+        part = slice(c * CHUNK, (c + 1) * CHUNK)
+        absmax = float(x[part].abs().max())
+        assert float(scales[c]) == pytest.approx(absmax / 127)
+        assert float((back[part] - x[part]).abs().max()) <= absmax / 254 * (1 + 1e-5)
+    payload = encode(x, "int8")
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(n, "int8") == n + 4 * scales.numel()
+    assert torch.equal(decode(payload, "int8", n), back)
+
+
+def _hand_int8(x: torch.Tensor) -> torch.Tensor:
+    """Quantize and dequantize by hand, value by value's chunk."""
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), CHUNK):
+        part = x[start : start + CHUNK]
+        step = float(part.abs().max()) / 127
+        out[start : start + CHUNK] = torch.round(part / step) * step if step else 0.0
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_the_mean_over_groups_is_the_hand_computation_and_the_same_bits_anywhere(dtype: str) -> None:
+    """3 simulated groups: each encodes its pseudo-gradient, the mean of the decoded values is computed as by hand
+    (in group order, fp32); every group computing it from the gathered payloads gets the same bits."""
+    g = torch.Generator().manual_seed(3)
+    n = 2 * CHUNK + 17
+    deltas = [torch.randn(n, generator=g) * (10.0**k) for k in (-2, 0, 1)]
+    if dtype == "fp32":
+        got = group_mean(torch.stack(deltas).sum(0), dtype, None, 3)  # what the all-reduce's sum gives each rank
+        torch.testing.assert_close(got, (deltas[0] + deltas[1] + deltas[2]) / 3)
+        return
+    payloads = [encode(d, dtype) for d in deltas]
+    assert all(p.numel() == payload_bytes(n, dtype) for p in payloads)
+    rounded = [d.to(torch.bfloat16).float() if dtype == "bf16" else _hand_int8(d) for d in deltas]
+    hand = ((rounded[0] + rounded[1]) + rounded[2]) / 3
+    means = [mean_of_payloads([p.clone() for p in payloads], dtype, n) for _ in range(3)]
+    torch.testing.assert_close(means[0], hand, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(m, means[0]) for m in means)  # deterministic: the same bits on every rank
+    assert torch.equal(group_mean(deltas[1].clone(), dtype, None, 1), mean_of_payloads(payloads[1:2], dtype, n))
+
+
+# ---- fragments: which parameters sync when -----------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(1, 500), min_size=1, max_size=12), data=st.data())
+def test_fragments_are_contiguous_balanced_runs_of_every_parameter(sizes: list[int], data: st.DataObject) -> None:
+    parts = data.draw(st.integers(1, len(sizes)))
+    frags = split_fragments(sizes, parts)
+    assert len(frags) == parts and all(len(f) > 0 for f in frags)
+    assert [i for f in frags for i in f] == list(range(len(sizes)))  # contiguous, each parameter once, in order
+    if all(s == sizes[0] for s in sizes) and len(sizes) % parts == 0:
+        assert {len(f) for f in frags} == {len(sizes) // parts}  # equal sizes: equal fragments
+
+
+@settings(max_examples=80, deadline=None)
+@given(every=st.integers(1, 12), data=st.data())
+def test_every_fragment_syncs_once_per_interval_and_all_at_the_last_step(every: int, data: st.DataObject) -> None:
+    parts = data.draw(st.integers(1, every))
+    last = data.draw(st.integers(1, 5 * every))
+    due = {step: fragments_due(step, every, parts, last) for step in range(1, last + 1)}
+    assert due[last] == list(range(parts))  # the run ends on the global weights
+    assert all(len(d) <= 1 for s, d in due.items() if s != last)  # staggered: ~1/P of the bytes per sync
+    for start in range(1, last - every + 1):  # every window of H steps before the last: each fragment once
+        window = [p for s in range(start, start + every) for p in due[s]]
+        assert sorted(window) == list(range(parts))
+    if parts == 1:
+        assert [s for s, d in due.items() if d] == [s for s in due if s % every == 0 or s == last]  # plain DiLoCo
+
+
+def test_one_outer_optimizer_steps_each_fragment_as_its_own_optimizer_would() -> None:
+    """A sync of some fragments leaves the others' weights and momentum untouched: exact per fragment."""
+    cfg = DiLoCoConfig(every_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+    torch.manual_seed(2)
+    start = [torch.randn(3), torch.randn(2, 2), torch.randn(5)]
+    shared = [t.clone() for t in start]
+    outer = outer_optimizer(shared, cfg)
+    apart = [t.clone() for t in start]
+    frags = split_fragments([t.numel() for t in start], 2)
+    own = [outer_optimizer([apart[i] for i in f], cfg) for f in frags]
+    for step in range(1, 9):
+        for f in fragments_due(step, 4, 2, 8):
+            locals_ = [shared[i] + 0.1 * step * (i + 1) for i in frags[f]]
+            outer_update(outer, [shared[i] for i in frags[f]], pseudo_gradient([shared[i] for i in frags[f]], locals_))
+            theirs = [apart[i] for i in frags[f]]
+            outer_update(own[f], theirs, pseudo_gradient(theirs, [apart[i] + 0.1 * step * (i + 1) for i in frags[f]]))
+    assert all(torch.equal(a, b) for a, b in zip(shared, apart))

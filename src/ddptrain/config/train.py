@@ -61,6 +61,15 @@ class DiLoCoConfig(Section):
         ge=0,
         description="DiLoCo groups, each training with DDP over its own ranks: 0 is one group per node (torchrun's LOCAL_WORLD_SIZE ranks), N splits the world into N groups of consecutive ranks (N must divide the world size).",
     )
+    outer_dtype: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description="The dtype the pseudo-gradients cross the groups in: fp32 (an all-reduce, 4 bytes a value), bf16 (2 bytes) or int8 (1 byte and one fp32 scale per 2048 values), both all-gathered and averaged in group order on every rank (docs/slow-links.md#diloco).",
+    )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="P: the trainable parameters in P contiguous fragments balanced by size, synced in turn H/P steps apart (each outer sync sends ~1/P of the bytes; the last step syncs all); at most every_steps and the count of trainable parameter tensors.",
+    )
 
     @property
     def on(self) -> bool:
@@ -118,7 +127,7 @@ class TrainConfig(Section):
     )
     diloco: DiLoCoConfig | None = Field(
         None,
-        description="Train in DiLoCo groups that synchronize their weights every few steps instead of their gradients every step: {every_steps, outer_lr, outer_momentum, groups} (docs/slow-links.md#diloco). None: every step all-reduces the gradients.",
+        description="Train in DiLoCo groups that synchronize their weights every few steps instead of their gradients every step: {every_steps, outer_lr, outer_momentum, groups, outer_dtype, fragments} (docs/slow-links.md#diloco). None: every step all-reduces the gradients.",
     )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",

@@ -6,9 +6,14 @@ exchange nothing between outer syncs. After every H-th step (train.diloco.every_
 (train.max_steps), each rank, with the counterparts of its index in the other groups:
 
   pseudo-gradient   d = global - local                      (one flat buffer: the trainable parameters)
-  all-reduce        d = sum over the groups of d / groups   (the only bytes that cross between groups)
+  mean              d = sum over the groups of d / groups   (the only bytes that cross between groups: in
+                                                            train.diloco.outer_dtype, outer_dtype.py)
   outer step        SGD with Nesterov momentum (outer_lr, outer_momentum) on the global weights, d as gradient
   local := global
+
+With train.diloco.fragments = P (streaming DiLoCo, fragments.py) each sync does this for the fragments due at that
+step only: one outer SGD over every global weight, the others without a gradient, so each fragment's momentum
+moves at its own syncs only, as P optimizers would.
 
 Data: the sampler gives each rank its share of every global batch as it does without DiLoCo, so the groups together
 take each global batch once and a group train.global_batch_size / groups samples per inner step.
@@ -34,9 +39,11 @@ from ddptrain.checkpoint.formats.base import DILOCO_STATE
 from ddptrain.config import Config
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.dist import DistContext
-from ddptrain.errors import CheckpointError
+from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.sync.every_step import EveryStep
+from ddptrain.train.sync.fragments import fragments_due, split_fragments
+from ddptrain.train.sync.outer_dtype import group_mean, payload_bytes
 
 
 def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.Tensor]) -> torch.Tensor:
@@ -60,6 +67,11 @@ def outer_optimizer(params: list[torch.Tensor], cfg: DiLoCoConfig) -> torch.opti
     return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
 
 
+def _shape(sync: dict[str, Any]) -> str:
+    """What a DiLoCo checkpoint must match, as its refusal says it."""
+    return f"every_steps={sync['every_steps']}, {sync['groups']} group(s), fragments={sync.get('fragments', 1)}"
+
+
 class DiLoCo(EveryStep):
     """DDP inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across the groups
     every train.diloco.every_steps steps; see the module docstring."""
@@ -77,6 +89,7 @@ class DiLoCo(EveryStep):
         self.local_params: list[torch.Tensor] = []
         self.global_params: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
+        self.fragments: list[range] = []  # each fragment's indices into the trainable parameters
         self.syncs = 0  # outer syncs so far (checkpointed)
         self.blocked_s = 0.0  # seconds in outer syncs since the last logged step
         self.loaded = False  # whether restore() set the global weights
@@ -100,6 +113,17 @@ class DiLoCo(EveryStep):
             if i == self.index:
                 self.across = across
 
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP over the group's ranks; ConfigError (exit 2, before anything is written) for more fragments than
+        trainable parameter tensors."""
+        count = sum(1 for p in model.parameters() if p.requires_grad)
+        if self.diloco.fragments > count:
+            raise ConfigError(
+                f"train.diloco.fragments={self.diloco.fragments} is more than the model's {count} trainable "
+                "parameter tensors: each fragment holds at least one"
+            )
+        return super().wrap(model)
+
     def attach(self, ddp: nn.Module, timer: StepTimer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The group's compression (fp16), and the global weights with their outer optimizer (no collective)."""
         super().attach(ddp, timer, model, optimizer)
@@ -108,6 +132,7 @@ class DiLoCo(EveryStep):
         self.local_params = [p for _, p in trainable]
         self.global_params = [p.detach().clone() for p in self.local_params]
         self.outer = outer_optimizer(self.global_params, self.diloco)
+        self.fragments = split_fragments([p.numel() for p in self.local_params], self.diloco.fragments)
 
     def begin(self) -> None:
         """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere."""
@@ -117,20 +142,24 @@ class DiLoCo(EveryStep):
                     g.copy_(p)
 
     def after_update(self, step: int) -> None:
-        """After every H-th step and the last: the outer sync (a collective across the groups)."""
-        if step % self.diloco.every_steps == 0 or step == self.cfg.train.max_steps:
-            self.outer_sync()
+        """After the steps a fragment is due (every H-th step with one fragment) and the last: the outer sync of
+        those fragments (a collective across the groups)."""
+        due = fragments_due(step, self.diloco.every_steps, self.diloco.fragments, self.cfg.train.max_steps)
+        if due:
+            self.outer_sync([i for f in due for i in self.fragments[f]])
 
-    def outer_sync(self) -> None:
-        """All ranks: pseudo-gradient, its mean over the groups, the outer step, local := global."""
+    def outer_sync(self, indices: list[int]) -> None:
+        """All ranks: the pseudo-gradient of the trainable parameters `indices`, its mean over the groups, the outer
+        step on their global weights, their local := global."""
         assert self.outer is not None
         t0 = time.perf_counter()
-        delta = pseudo_gradient(self.global_params, self.local_params)
-        if self.across is not None and self.groups > 1:
-            dist.all_reduce(delta, group=self.across)
-        outer_update(self.outer, self.global_params, delta.div_(self.groups))
+        global_params = [self.global_params[i] for i in indices]
+        local_params = [self.local_params[i] for i in indices]
+        delta = pseudo_gradient(global_params, local_params)
+        mean = group_mean(delta, self.diloco.outer_dtype, self.across, self.groups)
+        outer_update(self.outer, global_params, mean)
         with torch.no_grad():
-            for g, p in zip(self.global_params, self.local_params):
+            for g, p in zip(global_params, local_params):
                 p.copy_(g)
         if delta.is_cuda:
             torch.cuda.synchronize(delta.device)  # the time blocked is the all-reduce's, not its enqueueing
@@ -139,13 +168,20 @@ class DiLoCo(EveryStep):
 
     @property
     def sync_bytes(self) -> int:
-        """Bytes of one outer sync's all-reduce (the fp32 pseudo-gradient): a ring moves 2 (G - 1) / G of them over
-        each rank's link."""
-        return 4 * sum(p.numel() for p in self.local_params)
+        """Bytes of one rank's payload in an outer sync of the largest fragment (all of them at the last step), in
+        outer_dtype: fp32's all-reduce moves 2 (G - 1) / G of them over each rank's link, bf16's and int8's
+        all-gather G - 1."""
+        sizes = [sum(self.local_params[i].numel() for i in f) for f in self.fragments] or [0]
+        return payload_bytes(max(sizes), self.diloco.outer_dtype)
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint's DiLoCo state must match at a resume."""
-        return {"kind": "diloco", "every_steps": self.diloco.every_steps, "groups": self.groups}
+        return {
+            "kind": "diloco",
+            "every_steps": self.diloco.every_steps,
+            "groups": self.groups,
+            "fragments": self.diloco.fragments,
+        }
 
     def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
         """Shared: the global weights as `model`, the outer optimizer as `optimizer`, the sync count; this rank's
@@ -163,15 +199,15 @@ class DiLoCo(EveryStep):
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
         """Global weights and outer optimizer from the shared state, and the shared state the Trainer loads with
         this rank's own weights, inner optimizer and loss scale in it; CheckpointError (exit 2) for a checkpoint of
-        another train.diloco.every_steps or group count, of another world size, or without DiLoCo."""
+        another train.diloco.every_steps, group count or fragment count, of another world size, or without DiLoCo."""
         assert self.outer is not None
         saved = shared["trainer"].get("sync")
         mine = self.describe()
-        if saved is None or {k: saved.get(k) for k in mine} != mine:
-            had = f"every_steps={saved['every_steps']}, {saved['groups']} group(s)" if saved else "no train.diloco"
+        if saved is None or {k: saved.get(k, 1) for k in mine} != mine:  # saved before fragments: 1
+            had = _shape(saved) if saved else "no train.diloco"
             raise CheckpointError(
-                f"cannot resume DiLoCo (every_steps={mine['every_steps']}, {mine['groups']} group(s)) from a "
-                f"checkpoint saved with {had}: restore those values, or train into a new folder (run.name=NEW_NAME)"
+                f"cannot resume DiLoCo ({_shape(mine)}) from a checkpoint saved with {had}: restore those values, "
+                "or train into a new folder (run.name=NEW_NAME)"
             )
         if local is None or DILOCO_STATE not in local:
             raise CheckpointError(
