@@ -1,6 +1,7 @@
-"""DiLoCo on 2 launched gloo ranks in 2 groups of 1 (the fault toy): one job whose rank 1 fails mid-interval and is
-restarted by its launcher (--max-restarts 1) resumes from a checkpoint taken between outer syncs and trains bit for
-bit the uninterrupted run; its metrics, checkpoints and final weights are then read by several assertions."""
+"""DiLoCo on 2 launched gloo ranks in 2 groups of 1 (the fault toy), streaming: 2 fragments, int8 across the groups.
+One job whose rank 1 fails mid-interval and is restarted by its launcher (--max-restarts 1) resumes from a checkpoint
+taken between outer syncs and trains bit for bit the uninterrupted run; its metrics, checkpoints and final weights
+are then read by several assertions."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from ddptrain.cli import main
 
 pytestmark = pytest.mark.dist
 
-STEPS, H = 10, 4  # outer syncs after steps 4, 8 and 10 (the last); checkpoints at 3, 6, 9 and 10
+STEPS, H = 10, 4  # fragment 1 syncs after steps 2 and 6, fragment 0 after 4 and 8, both after 10 (the last);
+# checkpoints at 3, 6, 9 and 10
 
 
 def args(out: str, *extra: str) -> list[str]:
     return ["train", *FAULTY, f"run.dir={out}", f"train.max_steps={STEPS}", "log.every_steps=1",
-            "ckpt.every_steps=3", f"train.diloco.every_steps={H}", "train.diloco.groups=2", *extra]  # fmt: skip
+            "ckpt.every_steps=3", f"train.diloco.every_steps={H}", "train.diloco.groups=2",
+            "train.diloco.fragments=2", "train.diloco.outer_dtype=int8", *extra]  # fmt: skip
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -42,7 +45,8 @@ def reference(reference_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """Rank 1 fails in step 8 (its 8th forward), after the checkpoint of step 6, 2 steps past the sync of step 4."""
+    """Rank 1 fails in step 8 (its 8th forward), after the checkpoint of step 6 (fragment 1's sync), 2 steps past
+    fragment 0's of step 4."""
     run = tmp_path_factory.mktemp("diloco") / "run"
     launch = ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--"]
     done = run_ddptrain([*launch, *args(str(run), "model.kwargs.fail_at=8", "model.kwargs.fail_rank=1")], timeout=240)
@@ -68,19 +72,23 @@ def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
 ) -> None:
     run, said = restarted
     records = {m["step"]: m for m in read_metrics(run)}
-    assert all(m["outer_syncs"] == s // H + (s == STEPS) for s, m in records.items()), records
+    assert all(m["outer_syncs"] == s // 2 for s, m in records.items()), records  # a fragment every H / 2 steps
     assert {m["diloco_groups"] for m in records.values()} == {2}
     assert all(m["outer_sync_s"] >= 0 for m in records.values())
-    assert "outer_syncs 3" in said  # the progress line
+    assert "outer_syncs 5" in said  # the progress line
     assert main(["report", str(run)]) == 0  # in this process
     shown = capsys.readouterr().out
-    assert "DiLoCo: 2 groups, 3 outer syncs by step 10 (0.000644 MB all-reduced each)" in shown, shown
+    assert "DiLoCo: 2 groups, 5 outer syncs by step 10 (0.000132 MB sent each)" in shown, shown
     ckpts = run / "checkpoints"
     final = ckpts / f"step-{STEPS:08d}"
     manifest = json.loads((final / "manifest.json").read_text())
     assert sorted(n for n in manifest["files"] if n.startswith("diloco-")) == ["diloco-rank0.pt", "diloco-rank1.pt"]
     global_weights = final_model_state(run)
-    sent = sum(t.numel() for t in global_weights.values()) * 4  # the fp32 pseudo-gradient of every parameter
+    # The larger fragment's int8 pseudo-gradient and its one scale: the first Linear's 8 x 16 weight (128 of the 161
+    # values: the closest cut to half); the other fragment holds the rest.
+    sizes = [t.numel() for t in global_weights.values()]
+    assert sizes == [128, 16, 16, 1]
+    sent = 128 + 4
     assert {m["outer_sync_bytes"] for m in records.values()} == {sent}
     # After the last sync both groups hold the global weights; a step after a sync they differ again.
     for rank in (0, 1):

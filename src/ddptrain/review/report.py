@@ -262,7 +262,7 @@ def _diloco_line(train: list[dict[str, Any]]) -> list[str]:
     last, blocked = synced[-1], sum(float(r.get("outer_sync_s", 0.0)) for r in synced)
     return [
         f"DiLoCo: {last.get('diloco_groups', '?')} groups, {last['outer_syncs']} outer syncs by step {last['step']} "
-        f"({last.get('outer_sync_bytes', 0) / 1e6:.4g} MB all-reduced each), {blocked:,.2f} s blocked in them"
+        f"({last.get('outer_sync_bytes', 0) / 1e6:.4g} MB sent each), {blocked:,.2f} s blocked in them"
     ]
 
 
