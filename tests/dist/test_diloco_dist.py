@@ -76,6 +76,7 @@ def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
     assert {m["diloco_groups"] for m in records.values()} == {2}
     assert all(m["outer_sync_s"] >= 0 for m in records.values())
     assert "outer_syncs 5" in said  # the progress line
+    assert "2 fragment(s) in int8: 0.000132 MB per outer sync (the largest fragment) instead of 0.000644 MB" in said
     assert main(["report", str(run)]) == 0  # in this process
     shown = capsys.readouterr().out
     assert "DiLoCo: 2 groups, 5 outer syncs by step 10 (0.000132 MB sent each)" in shown, shown

@@ -26,6 +26,7 @@ scale, so a resume at any step, mid-interval too, is bit for bit the uninterrupt
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -44,6 +45,8 @@ from ddptrain.observe.perf import StepTimer
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import fragments_due, split_fragments
 from ddptrain.train.sync.outer_dtype import group_mean, payload_bytes
+
+log = logging.getLogger(__name__)
 
 
 def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.Tensor]) -> torch.Tensor:
@@ -133,6 +136,11 @@ class DiLoCo(EveryStep):
         self.global_params = [p.detach().clone() for p in self.local_params]
         self.outer = outer_optimizer(self.global_params, self.diloco)
         self.fragments = split_fragments([p.numel() for p in self.local_params], self.diloco.fragments)
+        full = payload_bytes(sum(p.numel() for p in self.local_params), "fp32")
+        log.info(
+            "train.diloco: %d fragment(s) in %s: %.4g MB per outer sync (the largest fragment) instead of %.4g MB",
+            self.diloco.fragments, self.diloco.outer_dtype, self.sync_bytes / 1e6, full / 1e6,
+        )  # fmt: skip
 
     def begin(self) -> None:
         """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere."""
@@ -228,8 +236,8 @@ class DiLoCo(EveryStep):
         return {**shared, "model": own["model"], "optimizer": own["optimizer"], "trainer": trainer}
 
     def logged(self) -> dict[str, Any]:
-        """outer_syncs so far, outer_sync_bytes (one sync's all-reduce), outer_sync_s (blocked since the last
-        logged step), diloco_groups."""
+        """outer_syncs so far, outer_sync_bytes (one rank's payload in a sync of the largest fragment), outer_sync_s
+        (blocked since the last logged step), diloco_groups."""
         blocked, self.blocked_s = self.blocked_s, 0.0
         return {
             "outer_syncs": self.syncs,
