@@ -4,11 +4,11 @@
 Each job is issue 37's setting: one rank per host (gloo), the 3.2M-parameter GPT (`model.n_layer=4
 model.n_head=4 model.n_embd=256`), global batch 32, STEPS steps on the same samples, started as a user
 would (`ddptrain launch` on each host, bench/ft_jobs.py's RestartJob); DiLoCo makes a group of each host
-with its default outer settings. Per job: samples/s between the first logged step after the warm-up and
+with its default outer settings, and once in 4 fragments sent as int8. Per job: samples/s between the first logged step after the warm-up and
 the last (start-up excluded), the validation loss at the last step (an outer sync for every H here), and
 DiLoCo's outer syncs. Rounds alternate the order of the modes. Needs root (network namespaces); run only
 when named: `python -m bench slow_links` (the synchronous fp32 job alone takes ~5 minutes a round).
-Smoke: a tiny GPT, 6 steps, DiLoCo H=2 and 3, no limit.
+Smoke: a tiny GPT, 6 steps, DiLoCo H=2 and H=3 in 3 int8 fragments, no limit.
 """
 
 from __future__ import annotations
@@ -36,11 +36,16 @@ MODES = {
     ],
     "DiLoCo H=20": ["train.diloco.every_steps=20"],
     "DiLoCo H=50": ["train.diloco.every_steps=50"],
+    "DiLoCo H=50 P=4 int8": [
+        "train.diloco.every_steps=50",
+        "train.diloco.fragments=4",
+        "train.diloco.outer_dtype=int8",
+    ],
 }
 SMOKE_MODES = {
     "sync fp32": [],
     "DiLoCo H=2": ["train.diloco.every_steps=2"],
-    "DiLoCo H=3": ["train.diloco.every_steps=3"],
+    "DiLoCo H=3 P=3 int8": ["train.diloco.every_steps=3", "train.diloco.fragments=3", "train.diloco.outer_dtype=int8"],
 }
 UNLIMITED = "sync fp32, unlimited link"
 RATE = "50mbit"
