@@ -420,9 +420,8 @@ def _write_config(cfg: Config) -> None:
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Step 1 and its undoing: the process group for this process's share of the job."""
     env = read_torchrun_env()
-    cfg.check_world_size(
-        env[1] if env else 1, env[3] if env else 1
-    )  # an indivisible batch or group: before any rendezvous
+    world_size, local_world_size = (env[1], env[3]) if env else (1, 1)
+    cfg.check_world_size(world_size, local_world_size)  # an indivisible batch or group: before any rendezvous
     enable_flight_recorder(stacks_dir(cfg.run_dir))  # torch reads it when the process group is created
     ctx = init_distributed(cfg.dist)
     try:
