@@ -127,7 +127,12 @@ DILOCO = [
     (["train.diloco.fragments=3"], "train.diloco.fragments=3 must be at most every_steps=2"),
     (["train.diloco.fragments=2", "train.eval_every=2"], "train.eval_every must be 0 or at least train.max_steps"),
     (["train.diloco.every_steps=0", "train.diloco.outer_dtype=int8"], "set train.diloco.every_steps above 0"),
-]
+    (["train.diloco.every_steps=0", "train.diloco.delay_steps=1"], "set train.diloco.every_steps above 0"),
+    (["train.diloco.delay_steps=-1"], "train.diloco.delay_steps"),
+    (["train.diloco.delay_steps=2"], "train.diloco.delay_steps=2 must be below every_steps // fragments = 2"),
+    (["train.diloco.fragments=2", "train.diloco.delay_steps=1"], "delay_steps=1 must be below every_steps // fragments = 1"),
+    (["train.diloco.delay_steps=1", "train.eval_every=2"], "delay_steps=1 leaves every group on the global weights at the last step only"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "message"), DILOCO)
@@ -153,21 +158,23 @@ def _files(folder: Path) -> dict[str, int]:
 def test_a_diloco_checkpoint_resumes_only_as_it_was_saved(
     tiny: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A change of every_steps, of the groups or of the fragments, and leaving DiLoCo are refused in one line,
-    leaving the folder as it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the global
-    weights. (Trained in 2 fragments sent in int8: fragment 1 syncs after step 1, fragment 0 after 2, both after 3.)"""
-    streaming = ["train.diloco.every_steps=2", "train.diloco.fragments=2", "train.diloco.outer_dtype=int8"]
+    """A change of every_steps, of the groups, of the fragments or of delay_steps, and leaving DiLoCo are refused in
+    one line, leaving the folder as it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the
+    global weights. (Trained in 2 fragments sent in int8: fragment 1 syncs after step 2, both after 3.)"""
+    streaming = ["train.diloco.every_steps=4", "train.diloco.fragments=2", "train.diloco.outer_dtype=int8"]
     assert main(["train", *tiny, *streaming, "train.max_steps=3", "ckpt.every_steps=3"]) == 0
     capsys.readouterr()
     run = tmp_path / "run"
     assert (run / "checkpoints" / "step-00000003" / "diloco-rank0.pt").is_file()
     before = _files(run)
-    saved = "from a checkpoint saved with every_steps=2, 1 group(s), fragments=2"
+    saved = "from a checkpoint saved with every_steps=4, 1 group(s), fragments=2, delay_steps=0"
     again = ["train", *tiny, "train.max_steps=6"]
-    refused = f"every_steps=3, 1 group(s), fragments=1) {saved}"
+    refused = f"every_steps=3, 1 group(s), fragments=1, delay_steps=0) {saved}"
     assert_one_line_exit_2([*again, "train.diloco.every_steps=3"], refused, capsys)
-    refused = f"every_steps=2, 1 group(s), fragments=1) {saved}"
-    assert_one_line_exit_2([*again, "train.diloco.every_steps=2", "train.diloco.outer_dtype=int8"], refused, capsys)
+    refused = f"every_steps=4, 1 group(s), fragments=1, delay_steps=0) {saved}"
+    assert_one_line_exit_2([*again, "train.diloco.every_steps=4", "train.diloco.outer_dtype=int8"], refused, capsys)
+    refused = f"every_steps=4, 1 group(s), fragments=2, delay_steps=1) {saved}"
+    assert_one_line_exit_2([*again, *streaming, "train.diloco.delay_steps=1"], refused, capsys)
     assert_one_line_exit_2(again, "cannot resume without train.diloco from a checkpoint DiLoCo saved", capsys)
     after = _files(run)
     assert {k: v for k, v in after.items() if not k.startswith("logs/")} == {

@@ -15,17 +15,17 @@ from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import ConfigError
 from ddptrain.train.in_place_trainer import check_in_place
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
-from ddptrain.train.sync.fragments import fragments_due, split_fragments
+from ddptrain.train.sync.fragments import fragments_due, split_fragments, sync_plan
 from ddptrain.train.sync.outer_dtype import (
     CHUNK,
     decode,
     dequantize_int8,
     encode,
-    group_mean,
     mean_of_payloads,
     payload_bytes,
     quantize_int8,
 )
+from ddptrain.train.sync.outer_dtype import start as start_exchange
 
 
 def _drift(params: list[torch.Tensor], seed: int) -> None:
@@ -149,6 +149,13 @@ def _hand_int8(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def group_mean(delta: torch.Tensor, dtype: str, groups: int) -> torch.Tensor:
+    """The mean of an exchange with nobody across (what crosses is only encoded and decoded): launch, wait, mean."""
+    exchange = start_exchange(delta, dtype, None, groups)
+    exchange.wait()
+    return exchange.mean()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
 def test_the_mean_over_groups_is_the_hand_computation_and_the_same_bits_anywhere(dtype: str) -> None:
     """3 simulated groups: each encodes its pseudo-gradient, the mean of the decoded values is computed as by hand
@@ -157,7 +164,7 @@ def test_the_mean_over_groups_is_the_hand_computation_and_the_same_bits_anywhere
     n = 2 * CHUNK + 17
     deltas = [torch.randn(n, generator=g) * (10.0**k) for k in (-2, 0, 1)]
     if dtype == "fp32":
-        got = group_mean(torch.stack(deltas).sum(0), dtype, None, 3)  # what the all-reduce's sum gives each rank
+        got = group_mean(torch.stack(deltas).sum(0), dtype, 3)  # what the all-reduce's sum gives each rank
         torch.testing.assert_close(got, (deltas[0] + deltas[1] + deltas[2]) / 3)
         return
     payloads = [encode(d, dtype) for d in deltas]
@@ -167,7 +174,7 @@ def test_the_mean_over_groups_is_the_hand_computation_and_the_same_bits_anywhere
     means = [mean_of_payloads([p.clone() for p in payloads], dtype, n) for _ in range(3)]
     torch.testing.assert_close(means[0], hand, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(m, means[0]) for m in means)  # deterministic: the same bits on every rank
-    assert torch.equal(group_mean(deltas[1].clone(), dtype, None, 1), mean_of_payloads(payloads[1:2], dtype, n))
+    assert torch.equal(group_mean(deltas[1].clone(), dtype, 1), mean_of_payloads(payloads[1:2], dtype, n))
 
 
 # ---- fragments: which parameters sync when -----------------------------------------------------------
@@ -216,3 +223,35 @@ def test_one_outer_optimizer_steps_each_fragment_as_its_own_optimizer_would() ->
             theirs = [apart[i] for i in frags[f]]
             outer_update(own[f], theirs, pseudo_gradient(theirs, [apart[i] + 0.1 * step * (i + 1) for i in frags[f]]))
     assert all(torch.equal(a, b) for a, b in zip(shared, apart))
+
+
+# ---- delay_steps: a sync overlapping inner steps ------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(every=st.integers(1, 16), data=st.data())
+def test_each_sync_is_applied_delay_steps_after_its_start_one_at_a_time_and_all_by_the_last_step(
+    every: int, data: st.DataObject
+) -> None:
+    parts = data.draw(st.integers(1, every))
+    delay = data.draw(st.integers(0, every // parts - 1))
+    last = data.draw(st.integers(1, 5 * every))
+    plans = {step: sync_plan(step, every, parts, delay, last) for step in range(1, last + 1)}
+    if delay == 0:  # today's schedule, bit for bit: everything due synced at once
+        assert all(p.apply == p.start == [] and p.now == fragments_due(s, every, parts, last) for s, p in plans.items())
+    in_flight: dict[int, int] = {}  # fragment -> the step its sync started
+    applied: dict[int, list[int]] = {f: [] for f in range(parts)}  # fragment -> the steps its syncs were applied
+    for step, plan in plans.items():
+        assert sorted(plan.apply) == sorted(f for f, s in in_flight.items() if s + delay == step)
+        for f in plan.apply:
+            applied[f].append(in_flight.pop(f))
+        assert not (plan.start and in_flight)  # one sync in flight at a time
+        in_flight.update({f: step for f in plan.start})
+        assert len(plan.start) <= 1 and not (plan.start and plan.now)
+        for f in plan.now:
+            applied[f].append(step)
+    assert not in_flight  # nothing travels past the run
+    assert sorted(plans[last].apply + plans[last].now) == list(range(parts))  # the run ends on the global weights
+    for f, steps in applied.items():  # each fragment's syncs start once per H steps (before the last)
+        regular = [s for s in range(1, last) if f in fragments_due(s, every, parts, last) and s + delay <= last]
+        assert steps == regular + ([last] if f in plans[last].now else [])

@@ -101,20 +101,23 @@ class Config(Section):
         diloco, d, t = self.train.diloco, self.dist, self.train
         if diloco is None:
             return self
-        if not diloco.on and (diloco.outer_dtype != "fp32" or diloco.fragments != 1):
+        if not diloco.on and (diloco.outer_dtype != "fp32" or diloco.fragments != 1 or diloco.delay_steps):
             raise ValueError(
-                "train.diloco.outer_dtype and fragments shape DiLoCo's outer syncs: set train.diloco.every_steps above 0"
+                "train.diloco.outer_dtype, fragments and delay_steps shape DiLoCo's outer syncs: set "
+                "train.diloco.every_steps above 0"
             )
         if not diloco.on:
             return self
-        h, p = diloco.every_steps, diloco.fragments
+        h, p, tau = diloco.every_steps, diloco.fragments, diloco.delay_steps
         refusals = [
             (d.strategy != "ddp", f"trains each group with DDP: dist.strategy={d.strategy} is not supported with it"),
             (d.grad_compression == "powersgd", "sends weights, not gradients, across groups: dist.grad_compression=powersgd is not supported with it (fp16 compresses the all-reduce inside a group)"),
             (self.ckpt.format == "dcp", "saves each rank's own weights beside the global ones: ckpt.format=dcp is not supported with it (use auto or sharded)"),
             (t.eval_every % h != 0, f"evaluates the global weights, which every group holds at an outer sync only: train.eval_every={t.eval_every} must be a multiple of train.diloco.every_steps={h} (or 0)"),
             (p > h, f"staggers its fragments H/P steps apart: train.diloco.fragments={p} must be at most every_steps={h}"),
+            (p <= h and tau >= h // p, f"overlaps each fragment's sync with the next delay_steps inner steps, one sync at a time: train.diloco.delay_steps={tau} must be below every_steps // fragments = {h // p}"),
             (p > 1 and 0 < t.eval_every < t.max_steps, f"fragments={p} leave every fragment synced (the global weights evaluation needs) at the last step only: train.eval_every must be 0 or at least train.max_steps"),
+            (tau > 0 and 0 < t.eval_every < t.max_steps, f"delay_steps={tau} leaves every group on the global weights at the last step only: train.eval_every must be 0 or at least train.max_steps"),
             (t.on_nonfinite == "stop", "skips a non-finite step in the group that met it; train.on_nonfinite=stop would stop one group alone: use skip"),
         ]  # fmt: skip
         for refused, why in refusals:

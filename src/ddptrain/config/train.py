@@ -70,6 +70,11 @@ class DiLoCoConfig(Section):
         ge=1,
         description="P: the trainable parameters in P contiguous fragments balanced by size, synced in turn H/P steps apart (each outer sync sends ~1/P of the bytes; the last step syncs all); at most every_steps and the count of trainable parameter tensors.",
     )
+    delay_steps: int = Field(
+        0,
+        ge=0,
+        description="tau: inner steps each outer sync overlaps (streaming DiLoCo): a fragment's exchange starts at its sync step and its outer step is applied tau steps later (the fragment's weights then replaced by the global ones); below every_steps // fragments; 0: applied at once. The last step applies every sync with no delay (docs/slow-links.md#overlapping-a-sync-with-inner-steps-delay_steps).",
+    )
 
     @property
     def on(self) -> bool:
@@ -127,7 +132,7 @@ class TrainConfig(Section):
     )
     diloco: DiLoCoConfig | None = Field(
         None,
-        description="Train in DiLoCo groups that synchronize their weights every few steps instead of their gradients every step: {every_steps, outer_lr, outer_momentum, groups, outer_dtype, fragments} (docs/slow-links.md#diloco). None: every step all-reduces the gradients.",
+        description="Train in DiLoCo groups that synchronize their weights every few steps instead of their gradients every step: {every_steps, outer_lr, outer_momentum, groups, outer_dtype, fragments, delay_steps} (docs/slow-links.md#diloco). None: every step all-reduces the gradients.",
     )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",

@@ -13,7 +13,11 @@ exchange nothing between outer syncs. After every H-th step (train.diloco.every_
 
 With train.diloco.fragments = P (streaming DiLoCo, fragments.py) each sync does this for the fragments due at that
 step only: one outer SGD over every global weight, the others without a gradient, so each fragment's momentum
-moves at its own syncs only, as P optimizers would.
+moves at its own syncs only, as P optimizers would. With train.diloco.delay_steps = tau > 0 (streaming DiLoCo's
+overlap) a fragment's pseudo-gradient is computed and its exchange launched (asynchronously) at its sync step, the
+next tau inner steps run while it travels, and after step + tau the exchange is waited for (the time blocked on the
+link, outer_sync_s), the outer step applied and the fragment's local weights replaced by its new global ones (the
+tau steps' own progress on that fragment is dropped: exact and simple; fragments.py's sync_plan has the schedule).
 
 Data: the sampler gives each rank its share of every global batch as it does without DiLoCo, so the groups together
 take each global batch once and a group train.global_batch_size / groups samples per inner step.
@@ -21,14 +25,15 @@ State: the global weights and the outer momentum are the same on every rank; the
 and the fp16 loss scale are each group's own. A checkpoint holds the global weights as its `model` (what eval,
 export and generate read: the weights every group shares, and at an outer sync every group's own) and the outer
 optimizer as its `optimizer`; each rank's `diloco-rank<r>.pt` holds its local weights, inner optimizer and loss
-scale, so a resume at any step, mid-interval too, is bit for bit the uninterrupted run.
+scale, and a sync in flight when it was taken (its fragments and this rank's payload, launched again by begin() at
+a resume), so a resume at any step, mid-interval or mid-sync too, is bit for bit the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -43,8 +48,8 @@ from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.sync.every_step import EveryStep
-from ddptrain.train.sync.fragments import fragments_due, split_fragments
-from ddptrain.train.sync.outer_dtype import group_mean, payload_bytes
+from ddptrain.train.sync.fragments import split_fragments, sync_plan
+from ddptrain.train.sync.outer_dtype import Exchange, payload_bytes, start
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +75,29 @@ def outer_optimizer(params: list[torch.Tensor], cfg: DiLoCoConfig) -> torch.opti
     return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
 
 
+SHAPE_BEFORE = {"fragments": 1, "delay_steps": 0}  # what checkpoints saved before a key of describe() was there meant
+
+
 def _shape(sync: dict[str, Any]) -> str:
     """What a DiLoCo checkpoint must match, as its refusal says it."""
-    return f"every_steps={sync['every_steps']}, {sync['groups']} group(s), fragments={sync.get('fragments', 1)}"
+    saved = {**SHAPE_BEFORE, **sync}
+    return (
+        f"every_steps={saved['every_steps']}, {saved['groups']} group(s), fragments={saved['fragments']}, "
+        f"delay_steps={saved['delay_steps']}"
+    )
+
+
+@dataclass
+class InFlight:
+    """An outer sync started and not applied yet: its fragments, the trainable parameters they hold, its exchange."""
+
+    fragments: list[int]
+    indices: list[int]
+    exchange: Exchange
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it: the fragments and this rank's payload as sent, in its dtype."""
+        return {"fragments": self.fragments, "sent": self.exchange.sent, "dtype": self.exchange.dtype}
 
 
 class DiLoCo(EveryStep):
@@ -93,8 +118,11 @@ class DiLoCo(EveryStep):
         self.global_params: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
         self.fragments: list[range] = []  # each fragment's indices into the trainable parameters
-        self.syncs = 0  # outer syncs so far (checkpointed)
-        self.blocked_s = 0.0  # seconds in outer syncs since the last logged step
+        self.syncs = 0  # outer syncs applied so far (checkpointed)
+        self.in_flight: InFlight | None = None  # the sync started and not applied yet (delay_steps > 0)
+        self.saved_flight: dict[str, Any] | None = None  # a checkpoint's sync in flight, launched again by begin()
+        self.blocked_s = 0.0  # seconds blocked waiting for outer exchanges since the last logged step
+        self.sent_bytes = 0  # this rank's payload bytes launched since the last logged step
         self.loaded = False  # whether restore() set the global weights
 
     @property
@@ -143,36 +171,62 @@ class DiLoCo(EveryStep):
         )  # fmt: skip
 
     def begin(self) -> None:
-        """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere."""
+        """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere.
+        A resume whose checkpoint was taken with a sync in flight launches that exchange again (a collective across
+        the groups: every rank resumed the same step, so every rank has the same one in flight)."""
         if not self.loaded:
             with torch.no_grad():
                 for g, p in zip(self.global_params, self.local_params):
                     g.copy_(p)
+        saved, self.saved_flight = self.saved_flight, None
+        if saved is not None:
+            fragments = [int(f) for f in saved["fragments"]]
+            indices = [i for f in fragments for i in self.fragments[f]]
+            numel = sum(self.local_params[i].numel() for i in indices)
+            sent = saved["sent"].to(self.local_params[0].device)
+            self.in_flight = InFlight(
+                fragments, indices, Exchange(sent, saved["dtype"], numel, self.across, self.groups)
+            )
 
     def after_update(self, step: int) -> None:
-        """After the steps a fragment is due (every H-th step with one fragment) and the last: the outer sync of
-        those fragments (a collective across the groups)."""
-        due = fragments_due(step, self.diloco.every_steps, self.diloco.fragments, self.cfg.train.max_steps)
-        if due:
-            self.outer_sync([i for f in due for i in self.fragments[f]])
+        """All ranks, after step `step`: apply the sync started delay_steps before, start those due at this step
+        (with delay_steps 0: sync them at once), and at the last step sync every fragment not applied at it (each
+        exchange a collective across the groups; fragments.py's sync_plan says which)."""
+        d = self.diloco
+        plan = sync_plan(step, d.every_steps, d.fragments, d.delay_steps, self.cfg.train.max_steps)
+        if plan.apply:
+            flight, self.in_flight = self.in_flight, None
+            assert flight is not None and flight.fragments == plan.apply, (step, plan, flight)
+            self.apply(flight)
+        if plan.start:
+            self.in_flight = self.launch(plan.start)
+        if plan.now:
+            self.apply(self.launch(plan.now))
 
-    def outer_sync(self, indices: list[int]) -> None:
-        """All ranks: the pseudo-gradient of the trainable parameters `indices`, its mean over the groups, the outer
-        step on their global weights, their local := global."""
+    def launch(self, fragments: list[int]) -> InFlight:
+        """Start the sync of `fragments`: this rank's pseudo-gradient of their trainable parameters, on its way to
+        the other groups (in train.diloco.outer_dtype)."""
+        indices = [i for f in fragments for i in self.fragments[f]]
+        delta = pseudo_gradient([self.global_params[i] for i in indices], [self.local_params[i] for i in indices])
+        exchange = start(delta, self.diloco.outer_dtype, self.across, self.groups)
+        self.sent_bytes += exchange.sent.numel() * exchange.sent.element_size()
+        return InFlight(fragments, indices, exchange)
+
+    def apply(self, flight: InFlight) -> None:
+        """Wait for the exchange of `flight` (the time blocked on the link), then the outer step on its global
+        weights with the groups' mean pseudo-gradient, and its local weights := the global ones."""
         assert self.outer is not None
+        if flight.exchange.sent.is_cuda:
+            torch.cuda.synchronize(flight.exchange.sent.device)  # the inner step's queued compute is not the link's
         t0 = time.perf_counter()
-        global_params = [self.global_params[i] for i in indices]
-        local_params = [self.local_params[i] for i in indices]
-        delta = pseudo_gradient(global_params, local_params)
-        mean = group_mean(delta, self.diloco.outer_dtype, self.across, self.groups)
-        outer_update(self.outer, global_params, mean)
-        with torch.no_grad():
-            for g, p in zip(global_params, local_params):
-                p.copy_(g)
-        if delta.is_cuda:
-            torch.cuda.synchronize(delta.device)  # the time blocked is the all-reduce's, not its enqueueing
-        self.syncs += 1
+        flight.exchange.wait()
         self.blocked_s += time.perf_counter() - t0
+        global_params = [self.global_params[i] for i in flight.indices]
+        outer_update(self.outer, global_params, flight.exchange.mean())
+        with torch.no_grad():
+            for g, i in zip(global_params, flight.indices):
+                self.local_params[i].copy_(g)
+        self.syncs += 1
 
     @property
     def sync_bytes(self) -> int:
@@ -189,15 +243,23 @@ class DiLoCo(EveryStep):
             "every_steps": self.diloco.every_steps,
             "groups": self.groups,
             "fragments": self.diloco.fragments,
+            "delay_steps": self.diloco.delay_steps,
         }
 
     def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
         """Shared: the global weights as `model`, the outer optimizer as `optimizer`, the sync count; this rank's
-        `diloco` object: its local weights, inner optimizer and loss scale."""
+        `diloco` object: its local weights, inner optimizer and loss scale, and the sync in flight if one is (its
+        fragments and this rank's payload: a resume launches it again)."""
         super().checkpoint(shared, local)
         assert self.outer is not None
         trainer = shared["trainer"]
-        local[DILOCO_STATE] = {"model": shared["model"], "optimizer": shared["optimizer"], "scaler": trainer["scaler"]}
+        flight = self.in_flight.state() if self.in_flight is not None else None
+        local[DILOCO_STATE] = {
+            "model": shared["model"],
+            "optimizer": shared["optimizer"],
+            "scaler": trainer["scaler"],
+            "in_flight": flight,
+        }
         by_storage = {p.data_ptr(): g for p, g in zip(self.local_params, self.global_params)}
         # A tied weight is in the state dict under each of its names: each name gets the global tensor.
         shared["model"] = {k: by_storage.get(v.data_ptr(), v) for k, v in shared["model"].items()}
@@ -207,11 +269,12 @@ class DiLoCo(EveryStep):
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
         """Global weights and outer optimizer from the shared state, and the shared state the Trainer loads with
         this rank's own weights, inner optimizer and loss scale in it; CheckpointError (exit 2) for a checkpoint of
-        another train.diloco.every_steps, group count or fragment count, of another world size, or without DiLoCo."""
+        another train.diloco.every_steps, group count, fragment count or delay_steps, of another world size, or
+        without DiLoCo."""
         assert self.outer is not None
         saved = shared["trainer"].get("sync")
         mine = self.describe()
-        if saved is None or {k: saved.get(k, 1) for k in mine} != mine:  # saved before fragments: 1
+        if saved is None or {k: saved.get(k, SHAPE_BEFORE.get(k)) for k in mine} != mine:
             had = _shape(saved) if saved else "no train.diloco"
             raise CheckpointError(
                 f"cannot resume DiLoCo ({_shape(mine)}) from a checkpoint saved with {had}: restore those values, "
@@ -232,16 +295,20 @@ class DiLoCo(EveryStep):
             group.update(nesterov=self.diloco.outer_momentum > 0)
         self.syncs, self.loaded = int(saved["syncs"]), True
         own = local[DILOCO_STATE]
+        self.saved_flight = own.get("in_flight")  # saved before delay_steps: none
         trainer = {**shared["trainer"], "scaler": own["scaler"]}
         return {**shared, "model": own["model"], "optimizer": own["optimizer"], "trainer": trainer}
 
     def logged(self) -> dict[str, Any]:
-        """outer_syncs so far, outer_sync_bytes (one rank's payload in a sync of the largest fragment), outer_sync_s
-        (blocked since the last logged step), diloco_groups."""
+        """outer_syncs applied so far, outer_sync_bytes (one rank's payload in a sync of the largest fragment),
+        outer_sent_bytes (this rank's payload bytes launched since the last logged step), outer_sync_s (blocked
+        waiting for the exchanges since the last logged step), diloco_groups."""
         blocked, self.blocked_s = self.blocked_s, 0.0
+        sent, self.sent_bytes = self.sent_bytes, 0
         return {
             "outer_syncs": self.syncs,
             "outer_sync_bytes": self.sync_bytes,
+            "outer_sent_bytes": sent,
             "outer_sync_s": blocked,
             "diloco_groups": self.groups,
         }

@@ -5,6 +5,9 @@ into bytes (bf16: 2 per value; int8: 1 per value and one fp32 scale per CHUNK va
 nearest), the groups all-gather the bytes (an int8 or bf16 sum would overflow or round in an order each backend
 picks; gloo reduces neither and gathers only some dtypes, bytes among them), and every rank decodes them and sums
 the groups' values in group order in fp32: every rank computes the identical mean, on gloo and NCCL alike.
+
+The exchange is asynchronous (`Exchange`: launched, then waited for), so that train.diloco.delay_steps inner steps
+can run while it travels; with no delay DiLoCo waits for it at once.
 """
 
 from __future__ import annotations
@@ -65,17 +68,41 @@ def mean_of_payloads(payloads: list[torch.Tensor], dtype: str, numel: int) -> to
     return total.div_(len(payloads))
 
 
-def group_mean(delta: torch.Tensor, dtype: str, across: dist.ProcessGroup | None, groups: int) -> torch.Tensor:
-    """The mean over the groups of each group's `delta` (fp32, flat), sent in `dtype` through `across` (this rank and
-    its counterparts in the other groups, in group order; None or 1 group: this rank's own, through the dtype)."""
-    exchange = across is not None and groups > 1
-    if dtype == "fp32":
-        if exchange:
-            dist.all_reduce(delta, group=across)
-        return delta.div_(groups)
-    mine = encode(delta, dtype)
-    payloads = [mine]
-    if exchange:
-        payloads = [torch.empty_like(mine) for _ in range(groups)]
-        dist.all_gather(payloads, mine, group=across)
-    return mean_of_payloads(payloads, dtype, delta.numel())
+class Exchange:
+    """One rank's pseudo-gradient on its way across the groups, launched when this is built (asynchronously: the
+    inner steps go on while it travels), then wait() and mean(). `sent` is this rank's payload as launched (never
+    written to: what a checkpoint keeps of an exchange in flight, to launch it again at a resume); `numel` the values
+    it stands for; `across` and `groups` as `start` takes them."""
+
+    def __init__(
+        self, sent: torch.Tensor, dtype: str, numel: int, across: dist.ProcessGroup | None, groups: int
+    ) -> None:
+        self.sent, self.dtype, self.numel, self.groups = sent, dtype, numel, groups
+        self.received: list[torch.Tensor] = [sent.clone() if dtype == "fp32" else sent]
+        self.work: dist.Work | None = None
+        if across is not None and groups > 1:
+            if dtype == "fp32":
+                self.work = dist.all_reduce(self.received[0], group=across, async_op=True)
+            else:
+                self.received = [torch.empty_like(sent) for _ in range(groups)]
+                self.work = dist.all_gather(self.received, sent, group=across, async_op=True)
+
+    def wait(self) -> None:
+        """Block until the groups' payloads are here (at once without an exchange)."""
+        if self.work is not None:
+            self.work.wait()
+            if self.sent.is_cuda:
+                torch.cuda.synchronize(self.sent.device)  # what blocks is the transfer, not its enqueueing
+
+    def mean(self) -> torch.Tensor:
+        """The mean over the groups (after wait()): fp32's sum divided by the group count, or the gathered payloads
+        decoded and summed in group order."""
+        if self.dtype == "fp32":
+            return self.received[0].div_(self.groups)
+        return mean_of_payloads(self.received, self.dtype, self.numel)
+
+
+def start(delta: torch.Tensor, dtype: str, across: dist.ProcessGroup | None, groups: int) -> Exchange:
+    """Launch the exchange of this rank's `delta` (fp32, flat) in `dtype` through `across` (this rank and its
+    counterparts in the other groups, in group order; None or 1 group: nothing crosses, the mean is its own)."""
+    return Exchange(delta if dtype == "fp32" else encode(delta, dtype), dtype, delta.numel(), across, groups)
