@@ -1,7 +1,7 @@
-"""DiLoCo on 2 launched gloo ranks in 2 groups of 1 (the fault toy), streaming: 2 fragments, int8 across the groups.
-One job whose rank 1 fails mid-interval and is restarted by its launcher (--max-restarts 1) resumes from a checkpoint
-taken between outer syncs and trains bit for bit the uninterrupted run; its metrics, checkpoints and final weights
-are then read by several assertions."""
+"""DiLoCo on 2 launched gloo ranks in 2 groups of 1 (the fault toy), streaming: 2 fragments, int8 across the groups,
+each sync overlapping one inner step (delay_steps=1). One job whose rank 1 fails mid-interval and is restarted by its
+launcher (--max-restarts 1) resumes from a checkpoint taken while a fragment's exchange was in flight and trains bit
+for bit the uninterrupted run; its metrics, checkpoints and final weights are then read by several assertions."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ from ddptrain.cli import main
 
 pytestmark = pytest.mark.dist
 
-STEPS, H = 10, 4  # fragment 1 syncs after steps 2 and 6, fragment 0 after 4 and 8, both after 10 (the last);
-# checkpoints at 3, 6, 9 and 10
+STEPS, H = 10, 4  # fragment 1's syncs start after steps 2 and 6 and are applied a step later, fragment 0's after 4
+# and 8 (applied after 5 and 9), both synced at once after 10 (the last); checkpoints at 3, 6 (fragment 1's exchange
+# in flight), 9 and 10
 
 
 def args(out: str, *extra: str) -> list[str]:
     return ["train", *FAULTY, f"run.dir={out}", f"train.max_steps={STEPS}", "log.every_steps=1",
             "ckpt.every_steps=3", f"train.diloco.every_steps={H}", "train.diloco.groups=2",
-            "train.diloco.fragments=2", "train.diloco.outer_dtype=int8", *extra]  # fmt: skip
+            "train.diloco.fragments=2", "train.diloco.outer_dtype=int8", "train.diloco.delay_steps=1", *extra]  # fmt: skip
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -45,8 +46,8 @@ def reference(reference_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """Rank 1 fails in step 8 (its 8th forward), after the checkpoint of step 6 (fragment 1's sync), 2 steps past
-    fragment 0's of step 4."""
+    """Rank 1 fails in step 8 (its 8th forward), after the checkpoint of step 6 (fragment 1's sync started there,
+    applied after step 7: the resumed ranks launch its exchange again), 3 steps past fragment 0's of step 4."""
     run = tmp_path_factory.mktemp("diloco") / "run"
     launch = ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--"]
     done = run_ddptrain([*launch, *args(str(run), "model.kwargs.fail_at=8", "model.kwargs.fail_rank=1")], timeout=240)
@@ -72,7 +73,8 @@ def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
 ) -> None:
     run, said = restarted
     records = {m["step"]: m for m in read_metrics(run)}
-    assert all(m["outer_syncs"] == s // 2 for s, m in records.items()), records  # a fragment every H / 2 steps
+    # a fragment every H / 2 steps, applied a step after it started; both at the last step
+    assert all(m["outer_syncs"] == ((s - 1) // 2 if s < STEPS else 5) for s, m in records.items()), records
     assert {m["diloco_groups"] for m in records.values()} == {2}
     assert all(m["outer_sync_s"] >= 0 for m in records.values())
     assert "outer_syncs 5" in said  # the progress line
@@ -91,6 +93,11 @@ def test_outer_syncs_are_seen_and_every_rank_ends_on_the_global_weights(
     assert sizes == [128, 16, 16, 1]
     sent = 128 + 4
     assert {m["outer_sync_bytes"] for m in records.values()} == {sent}
+    # Launched at 2 and 6 (fragment 1: 33 values and a scale), 4 and 8 (fragment 0), 10 (all 161 values, one scale).
+    launched = {2: 33 + 4, 4: sent, 6: 33 + 4, 8: sent, 10: 161 + 4}
+    assert {s: m["outer_sent_bytes"] for s, m in records.items()} == {s: launched.get(s, 0) for s in records}
+    in_flight = verify_checkpoint(ckpts / "step-00000006").load("diloco-rank1.pt")["in_flight"]
+    assert in_flight["fragments"] == [1] and in_flight["sent"].numel() == 33 + 4
     # After the last sync both groups hold the global weights; a step after a sync they differ again.
     for rank in (0, 1):
         own = own_weights(final, rank)
