@@ -4,11 +4,14 @@
 Each job is issue 37's setting: one rank per host (gloo), the 3.2M-parameter GPT (`model.n_layer=4
 model.n_head=4 model.n_embd=256`), global batch 32, STEPS steps on the same samples, started as a user
 would (`ddptrain launch` on each host, bench/ft_jobs.py's RestartJob); DiLoCo makes a group of each host
-with its default outer settings, and once in 4 fragments sent as int8. Per job: samples/s between the first logged step after the warm-up and
-the last (start-up excluded), the validation loss at the last step (an outer sync for every H here), and
-DiLoCo's outer syncs. Rounds alternate the order of the modes. Needs root (network namespaces); run only
-when named: `python -m bench slow_links` (the synchronous fp32 job alone takes ~5 minutes a round).
-Smoke: a tiny GPT, 6 steps, DiLoCo H=2 and H=3 in 3 int8 fragments, no limit.
+with its default outer settings, once in 4 fragments sent as int8, and once streamed (issue 37's streaming
+DiLoCo: 4 int8 fragments, each sync overlapping delay_steps=1 inner step). Per job: samples/s between the first
+logged step after the warm-up and the last (start-up excluded), the validation loss at the last step (an outer
+sync for every H here), DiLoCo's outer syncs, the payload bytes it sent per step (against fp32 DDP's, which is one
+fp32 DiLoCo sync's: every trainable parameter in 4 bytes) and its seconds blocked on the link per step (the wait
+for the exchanges, against the step's time). Rounds alternate the order of the modes. Needs root (network
+namespaces); run only when named: `python -m bench slow_links` (the synchronous fp32 job alone takes ~5 minutes a
+round). Smoke: a tiny GPT, 6 steps, DiLoCo H=2, and H=6 streamed in 3 int8 fragments with delay_steps=1, no limit.
 """
 
 from __future__ import annotations
@@ -41,12 +44,25 @@ MODES = {
         "train.diloco.fragments=4",
         "train.diloco.outer_dtype=int8",
     ],
+    "streaming H=50 P=4 tau=1 int8": [
+        "train.diloco.every_steps=50",
+        "train.diloco.fragments=4",
+        "train.diloco.outer_dtype=int8",
+        "train.diloco.delay_steps=1",
+    ],
 }
 SMOKE_MODES = {
     "sync fp32": [],
     "DiLoCo H=2": ["train.diloco.every_steps=2"],
-    "DiLoCo H=3 P=3 int8": ["train.diloco.every_steps=3", "train.diloco.fragments=3", "train.diloco.outer_dtype=int8"],
+    "streaming H=6 P=3 tau=1 int8": [
+        "train.diloco.every_steps=6",
+        "train.diloco.fragments=3",
+        "train.diloco.outer_dtype=int8",
+        "train.diloco.delay_steps=1",
+    ],
 }
+FP32_DILOCO = {"DiLoCo H=50", "DiLoCo H=2"}  # one sync: every trainable parameter in fp32, fp32 DDP's bytes per step
+STREAMED = {"streaming H=50 P=4 tau=1 int8"}  # issue 37's targets: >= 400x fewer bytes, <= 5% blocked
 UNLIMITED = "sync fp32, unlimited link"
 RATE = "50mbit"
 HOSTS = 2
@@ -99,13 +115,27 @@ def run_job(folder: Path, train: list[str], rate: str | None, warm: int, timeout
             raise RuntimeError(f"slow_links: {folder.name}: hosts exited {failed}\n{tail}")
     finally:
         job.close()
-    records = read_jsonl(job.run_dir / "metrics.jsonl")
+    return job_figures(read_jsonl(job.run_dir / "metrics.jsonl"), warm)
+
+
+def job_figures(records: list[dict[str, Any]], warm: int) -> dict[str, Any]:
+    """A job's figures from its metrics: samples/s past `warm`, the last validation loss, and DiLoCo's outer syncs,
+    one sync's bytes (largest fragment), payload bytes sent per step and seconds blocked on the link per step (both
+    over every step, as logged since the previous logged step) and the share of the steps' time blocked."""
     train_rows = [r for r in records if r["kind"] == "train"]
+    steps = train_rows[-1]["step"]
+    blocked = sum(r.get("outer_sync_s", 0.0) for r in train_rows)
+    previous = [0] + [r["step"] for r in train_rows[:-1]]
+    stepping = sum(r["step_time_s"] * (r["step"] - before) for r, before in zip(train_rows, previous))
     return {
         "samples_per_s": samples_per_s(records, warm),
         "val_loss": [r for r in records if r["kind"] == "eval"][-1]["val_loss"],
         "outer_syncs": train_rows[-1].get("outer_syncs", 0),
-        "outer_sync_s": sum(r.get("outer_sync_s", 0.0) for r in train_rows),
+        "outer_sync_s": blocked,
+        "outer_sync_bytes": train_rows[-1].get("outer_sync_bytes", 0),
+        "bytes_per_step": sum(r.get("outer_sent_bytes", 0) for r in train_rows) / steps,
+        "blocked_s_per_step": blocked / steps,
+        "blocked_share": blocked / stepping,
     }
 
 
@@ -113,6 +143,7 @@ def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool) -> list[Row]:
     figure = f"slow links ({HOSTS} hosts, {'no limit: smoke' if smoke else RATE})"
     free = summary([r["samples_per_s"] for r in results[UNLIMITED]])["median"]
     sync_loss = results[UNLIMITED][0]["val_loss"]  # every synchronous mode computes the same losses
+    ddp_bytes = next(runs[0]["outer_sync_bytes"] for name, runs in results.items() if name in FP32_DILOCO)
     rows = [Row(figure, f"{UNLIMITED}: samples/s", summary([r["samples_per_s"] for r in results[UNLIMITED]]),
                 "samples/s", note=f"val loss {sync_loss:.4f}")]  # fmt: skip
     for name, runs in results.items():
@@ -127,7 +158,25 @@ def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool) -> list[Row]:
         rows.append(Row(figure, f"{name}: samples/s", summary([r["samples_per_s"] for r in runs]), "samples/s"))
         rows.append(Row(figure, f"{name}: vs unlimited sync", ratio, "x", target=">= 0.9" if h50 else "",
                         met=ratio["median"] >= 0.9 if h50 else None, note=note))  # fmt: skip
+        if runs[0]["outer_syncs"]:
+            rows.extend(_link_rows(figure, name, runs, ddp_bytes))
     return rows
+
+
+def _link_rows(figure: str, name: str, runs: list[dict[str, Any]], ddp_bytes: float) -> list[Row]:
+    """A DiLoCo mode's bytes per step (and how many times fewer than fp32 DDP's) and its time blocked per step."""
+    streamed = name in STREAMED
+    fewer = summary([ddp_bytes / max(r["bytes_per_step"], 1e-9) for r in runs])
+    share = summary([r["blocked_share"] for r in runs])
+    per_step = summary([r["bytes_per_step"] for r in runs])
+    blocked = summary([r["blocked_s_per_step"] for r in runs])
+    return [
+        Row(figure, f"{name}: bytes sent per step", per_step, "B", note=f"fp32 DDP: {ddp_bytes:,.0f} B a step"),
+        Row(figure, f"{name}: fewer bytes than fp32 DDP", fewer, "x", target=">= 400" if streamed else "",
+            met=fewer["median"] >= 400 if streamed else None),
+        Row(figure, f"{name}: share of step time blocked on the link", share, "", target="<= 0.05 (at 20 Mbit/s)"
+            if streamed else "", note=f"{blocked['median']:.4f} s a step"),
+    ]  # fmt: skip
 
 
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
