@@ -10,19 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddptrain.config import load_config
+from ddptrain.config.train import INT8_CHUNK as CHUNK
 from ddptrain.config.train import DiLoCoConfig
+from ddptrain.config.train import outer_payload_bytes as payload_bytes
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import ConfigError
 from ddptrain.train.in_place_trainer import check_in_place
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
 from ddptrain.train.sync.fragments import fragments_due, split_fragments, sync_plan
 from ddptrain.train.sync.outer_dtype import (
-    CHUNK,
     decode,
     dequantize_int8,
     encode,
     mean_of_payloads,
-    payload_bytes,
     quantize_int8,
 )
 from ddptrain.train.sync.outer_dtype import start as start_exchange

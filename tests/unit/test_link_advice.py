@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ddptrain.config.train import outer_payload_bytes as payload_bytes
 from ddptrain.review.link_advice import STREAMING, LinkModel, choose, fit_link, format_advice, mode_costs
-from ddptrain.train.sync.outer_dtype import payload_bytes
 
 MBIT_50 = 50e6 / 8  # bytes per second
 

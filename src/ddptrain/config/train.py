@@ -38,6 +38,17 @@ class EarlyStopConfig(Section):
         return value
 
 
+INT8_CHUNK = 2048  # values per fp32 scale when train.diloco.outer_dtype=int8 (train/sync/outer_dtype.py encodes them)
+
+
+def outer_payload_bytes(numel: int, dtype: str) -> int:
+    """Bytes of one rank's pseudo-gradient of `numel` values on the wire in train.diloco.outer_dtype `dtype` (int8:
+    a byte a value and 4 per INT8_CHUNK values; bf16: 2 a value; fp32: 4)."""
+    if dtype == "int8":
+        return numel + 4 * -(-numel // INT8_CHUNK)
+    return numel * (2 if dtype == "bf16" else 4)
+
+
 class DiLoCoConfig(Section):
     every_steps: int = Field(
         0,
@@ -63,7 +74,7 @@ class DiLoCoConfig(Section):
     )
     outer_dtype: Literal["fp32", "bf16", "int8"] = Field(
         "fp32",
-        description="The dtype the pseudo-gradients cross the groups in: fp32 (an all-reduce, 4 bytes a value), bf16 (2 bytes) or int8 (1 byte and one fp32 scale per 2048 values), both all-gathered and averaged in group order on every rank (docs/slow-links.md#diloco).",
+        description=f"The dtype the pseudo-gradients cross the groups in: fp32 (an all-reduce, 4 bytes a value), bf16 (2 bytes) or int8 (1 byte and one fp32 scale per {INT8_CHUNK} values), both all-gathered and averaged in group order on every rank (docs/slow-links.md#diloco).",
     )
     fragments: int = Field(
         1,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.train.sync.outer_dtype import payload_bytes
+from ddptrain.config.train import outer_payload_bytes
 
 SYNC_SHARE = 0.10  # every-step modes fit when the link adds at most this share of a step's compute
 OUTER_SHARE = 0.05  # DiLoCo's outer sync: at most this share, averaged over its H steps
@@ -74,8 +74,8 @@ class ModeCost:
 def _diloco(link: LinkModel, params: float, h: int) -> list[ModeCost]:
     """DiLoCo every h steps: fp32, int8, and streaming in STREAMING's fragments with its delay (int8)."""
     parts, delay = STREAMING
-    int8 = link.seconds(payload_bytes(round(params), "int8"))
-    streamed = link.seconds(payload_bytes(round(params / parts), "int8"))
+    int8 = link.seconds(outer_payload_bytes(round(params), "int8"))
+    streamed = link.seconds(outer_payload_bytes(round(params / parts), "int8"))
     every = f"train.diloco.every_steps={h}"
     return [
         ModeCost(every, f"DiLoCo: fp32 weights every {h} steps", link.seconds(4 * params), h),

@@ -43,13 +43,13 @@ import torch.nn as nn
 
 from ddptrain.checkpoint.formats.base import DILOCO_STATE
 from ddptrain.config import Config
-from ddptrain.config.train import DiLoCoConfig
+from ddptrain.config.train import DiLoCoConfig, outer_payload_bytes
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import split_fragments, sync_plan
-from ddptrain.train.sync.outer_dtype import Exchange, payload_bytes, start
+from ddptrain.train.sync.outer_dtype import Exchange, start
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class DiLoCo(EveryStep):
         self.global_params = [p.detach().clone() for p in self.local_params]
         self.outer = outer_optimizer(self.global_params, self.diloco)
         self.fragments = split_fragments([p.numel() for p in self.local_params], self.diloco.fragments)
-        full = payload_bytes(sum(p.numel() for p in self.local_params), "fp32")
+        full = outer_payload_bytes(sum(p.numel() for p in self.local_params), "fp32")
         log.info(
             "train.diloco: %d fragment(s) in %s: %.4g MB per outer sync (the largest fragment) instead of %.4g MB",
             self.diloco.fragments, self.diloco.outer_dtype, self.sync_bytes / 1e6, full / 1e6,
@@ -234,7 +234,7 @@ class DiLoCo(EveryStep):
         outer_dtype: fp32's all-reduce moves 2 (G - 1) / G of them over each rank's link, bf16's and int8's
         all-gather G - 1."""
         sizes = [sum(self.local_params[i].numel() for i in f) for f in self.fragments] or [0]
-        return payload_bytes(max(sizes), self.diloco.outer_dtype)
+        return outer_payload_bytes(max(sizes), self.diloco.outer_dtype)
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint's DiLoCo state must match at a resume."""
