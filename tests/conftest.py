@@ -30,16 +30,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.relative_to(TESTS_DIR).parts[0] if item.path.is_relative_to(TESTS_DIR) else ""
         if folder in FOLDER_MARKERS and item.get_closest_marker(folder) is None:
             item.add_marker(FOLDER_MARKERS[folder])
-        if folder == "cluster":
-            item.add_marker(pytest.mark.xdist_group(cluster_group(item.path)))
+        if folder == "cluster" and item.path.stem.startswith("test_slurm"):
+            item.add_marker(pytest.mark.xdist_group("cluster-slurm"))
 
 
-def cluster_group(path: Path) -> str:
-    """The xdist group of a cluster test file: its tests run in order on one worker (they share its module
-    fixtures), while the two workers run different files. Namespace hosts carry random names and a subnet
-    of their worker's own (tests/cluster/netns.py), so two files' hosts never meet; the SLURM files share
-    one group, since every SLURM cluster leans on the machine's one munge daemon."""
-    return "cluster-slurm" if path.stem.startswith("test_slurm") else f"cluster-{path.stem}"
+# The SLURM tests run in order on one worker (xdist group "cluster-slurm"): every SLURM cluster leans on the
+# machine's one munge daemon. The other multi-host tests spread over the workers like any test: each makes its
+# own namespace hosts, with random names, on a bridge of its own, and shares its reference runs through the
+# session's cache (helpers.cached_run), so two of them never meet.
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

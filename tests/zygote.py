@@ -119,11 +119,30 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
     sys.path[:] = [request["cwd"], *own, *(p for p in sys.path if p not in zygote_paths)]
     if request["new_session"]:
         os.setsid()
+    if request["netns"]:
+        _enter_host(request["netns"], request["hostname"])
     if request["max_file_bytes"] is not None:
         limit = request["max_file_bytes"]
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     sys.argv = ["ddptrain", *request["argv"]]
     runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+
+
+def _enter_host(netns: str, hostname: str) -> None:
+    """Become a process of a namespace host (tests/cluster/netns.py), as `ip netns exec NS unshare --uts` and
+    `hostname` would make it: its network namespace, then a UTS namespace of its own with the host's name."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+    finally:
+        os.close(fd)
+    if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+        raise OSError(ctypes.get_errno(), "unshare the UTS namespace")
+    socket.sethostname(hostname)
 
 
 class Zygote:
@@ -147,9 +166,10 @@ class Zygote:
 
     def start(self, argv: list[str], env: dict[str, str], **options: Any) -> ZygoteProcess:
         """Start `python -m ddptrain ARGV`, as subprocess.Popen would with these options: stdout and stderr
-        (None, PIPE, DEVNULL, STDOUT for stderr, a file or a descriptor), text, cwd, start_new_session, and
-        max_file_bytes (RLIMIT_FSIZE)."""
-        unknown = set(options) - {"stdout", "stderr", "text", "cwd", "start_new_session", "max_file_bytes"}
+        (None, PIPE, DEVNULL, STDOUT for stderr, a file or a descriptor), text, cwd, start_new_session,
+        max_file_bytes (RLIMIT_FSIZE), and netns with hostname (a namespace host's, tests/cluster/netns.py)."""
+        known = {"stdout", "stderr", "text", "cwd", "start_new_session", "max_file_bytes", "netns", "hostname"}
+        unknown = set(options) - known
         assert not unknown, f"the zygote does not take {unknown}"
         cwd = options.get("cwd")
         request = {
@@ -158,6 +178,8 @@ class Zygote:
             "cwd": str(cwd or os.getcwd()),
             "max_file_bytes": options.get("max_file_bytes"),
             "new_session": bool(options.get("start_new_session")),
+            "netns": options.get("netns"),
+            "hostname": options.get("hostname"),
         }
         ours: list[int] = []  # descriptors opened here for the child, closed once it has its copies
         out, out_pipe = _stream(options.get("stdout"), 1, ours)

@@ -13,9 +13,12 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+from helpers import start_ddptrain, use_zygote
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -48,7 +51,7 @@ class Node:
         self.dev = f"ddv{tag}{index + 1}"  # inside the namespace
         self.peer = f"ddp{tag}{index + 1}"  # on the bridge
         self.addr = f"10.77.{cluster.subnet}.{index + 1}"
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Any] = []  # subprocess.Popen, or the zygote's process with the same interface
         self._logs: list[IO[bytes]] = []
 
     def setup(self, bridge: str) -> None:
@@ -66,10 +69,24 @@ class Node:
         """Run a short command in the namespace (checked)."""
         return _ip("netns", "exec", self.ns, *cmd)
 
-    def start(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-        """Start a process in the namespace under this node's own hostname; output goes to `log`."""
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> Any:
+        """Start a process in the namespace under this node's own hostname; output goes to `log`. A
+        `python -m ddptrain` command is forked from the test zygote (tests/zygote.py), which enters the
+        namespace itself: a subprocess.Popen or the zygote's process with the same interface."""
         out = open(log, "ab")
         self._logs.append(out)
+        if argv[:3] == [sys.executable, "-m", "ddptrain"] and use_zygote():
+            proc = start_ddptrain(
+                argv[3:],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                netns=self.ns,
+                hostname=self.hostname,
+            )
+            self.procs.append(proc)
+            return proc
         cmd = [
             "ip",
             "netns",
@@ -135,9 +152,11 @@ class Cluster:
 
     def __init__(self, n: int) -> None:
         self.tag = secrets.token_hex(3)[:5]
-        # Odd subnets for one pytest-xdist worker, even for the other: two workers' clusters never share one.
+        # Subnets modulo the pytest-xdist worker count by worker: two workers' clusters never share one (a SLURM
+        # test puts the bridge itself on its subnet, in the machine's own namespace).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-        self.subnet = (int(self.tag, 16) % 125) * 2 + (int(worker) if worker.isdigit() else 0) % 2 + 1
+        self.subnet = (int(self.tag, 16) % (250 // workers)) * workers + (int(worker) if worker.isdigit() else 0) + 1
         self.bridge = f"ddb{self.tag}"
         self.nodes: list[Node] = []
         _ip("link", "add", self.bridge, "type", "bridge")

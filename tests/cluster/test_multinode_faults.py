@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import env_for_subprocess, final_model_state, run_ddptrain
+from helpers import cached_run, env_for_subprocess, final_model_state
 from netns import Cluster, Node, unavailable_reason
 
 from ddptrain.checkpoint import committed_checkpoints, verify_checkpoint
@@ -80,18 +80,13 @@ def cluster(namespaces_ok: None) -> Iterator[Cluster]:
         c.close()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, torch.Tensor]]:
-    """Final parameters of an uninterrupted 2-rank run (plain torchrun), cached per config."""
-    cache: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+@pytest.fixture
+def reference(reference_cache: Path) -> Callable[..., dict[str, torch.Tensor]]:
+    """Final parameters of an uninterrupted 2-rank run, trained once per session per config
+    (helpers.cached_run: the pytest workers share it)."""
 
     def get(*extra: str) -> dict[str, torch.Tensor]:
-        if extra not in cache:
-            run_dir = tmp_path_factory.mktemp("reference") / "run"
-            done = run_ddptrain(["train", *TOY, *extra, f"run.dir={run_dir}"], nproc=2, timeout=180)
-            assert done.returncode == 0, done.stderr[-3000:]
-            cache[extra] = final_model_state(run_dir)
-        return cache[extra]
+        return final_model_state(cached_run(reference_cache, ["train", *TOY, *extra, "run.dir={out}"], nproc=2))
 
     return get
 
