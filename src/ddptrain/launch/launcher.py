@@ -29,7 +29,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from ddptrain.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_PREEMPTED, EXIT_USAGE, LaunchError
 from ddptrain.launch.agent import Agent, QuietStops, StallGuard, describe_failure, handled_signals, make_agent, say
 from ddptrain.launch.options import EXIT_OK, LaunchOptions
-from ddptrain.launch.worker_start import run_worker, use_preloaded_server
+from ddptrain.launch.worker_start import run_worker, start_preloaded_server, use_preloaded_server
 from ddptrain.train.agent_watch import AGENT_PID_ENV
 from ddptrain.train.preemption import leave_without_teardown
 
@@ -52,6 +52,7 @@ def run_job(options: LaunchOptions, env: dict[str, str], argv: list[str], note: 
         say(note)
     if options.worker_start == "preloaded":
         config.start_method = use_preloaded_server()
+        start_preloaded_server()  # before the agent starts its threads (rendezvous, stall guard)
         entrypoint, entry_args = run_worker, ["", *options.command()]
     agent = make_agent(config, entrypoint, entry_args, options.exit_barrier_timeout)
     QuietStops().install()
