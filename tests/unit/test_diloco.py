@@ -13,9 +13,9 @@ from ddptrain.config import load_config
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.data.sampler import ResumableDistributedSampler
 from ddptrain.errors import ConfigError
-from ddptrain.train.in_place_trainer import check_in_place
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
 from ddptrain.train.sync.fragments import fragments_due, split_fragments
+from ddptrain.train.sync.in_place import check_in_place
 from ddptrain.train.sync.outer_dtype import (
     CHUNK,
     decode,

@@ -41,7 +41,7 @@ from ddptrain.config import Config
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
-from ddptrain.observe.perf import StepTimer
+from ddptrain.train.sync.base import Loop
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import fragments_due, split_fragments
 from ddptrain.train.sync.outer_dtype import group_mean, payload_bytes
@@ -127,10 +127,10 @@ class DiLoCo(EveryStep):
             )
         return super().wrap(model)
 
-    def attach(self, ddp: nn.Module, timer: StepTimer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, loop: Loop) -> None:
         """The group's compression (fp16), and the global weights with their outer optimizer (no collective)."""
-        super().attach(ddp, timer, model, optimizer)
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        super().attach(loop)
+        trainable = [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.local_params = [p for _, p in trainable]
         self.global_params = [p.detach().clone() for p in self.local_params]

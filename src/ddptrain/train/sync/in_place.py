@@ -1,14 +1,15 @@
-"""The Trainer of the in-place fault-tolerant mode: survivors keep training when a replica group dies.
+"""The in-place fault-tolerant mode as a sync: survivors keep training when a replica group dies (torchft).
 
-A step is: quorum -> this rank's share of the global batch -> forward/backward (gradients summed over
-the group, then over the groups, train/in_place.py) -> one small sum of the step's loss and health ->
-commit or discard. The global batch never changes: its micro-batches are cut over the ranks taking
-part in this step, so a committed step consumes exactly the samples of the same step in a fault-free
-run, and a discarded step's samples are consumed again by the step that replaces it. The ranks taking
+Through the seam (base.py), an attempt at a step is: `begin_step` (the quorum, healing this group when it is
+behind; this rank's share of the global batch) -> forward/backward (the group's DDP, then the sum over the groups
+that `before_backward` arms in the last backward, train/cross_group.py) -> `commit` (one small sum of the step's
+loss and health, then the commit vote: commit or discard). The global batch never changes: its micro-batches are
+cut over the ranks taking part in this step, so a committed step consumes exactly the samples of the same step in
+a fault-free run, and a discarded step's samples are consumed again by the step that replaces it. The ranks taking
 part are known before the data is read, because the quorum is synchronous.
 
 The folder is written by the participating group of rank 0 (the lowest id in the quorum): metrics,
-certificate, checkpoints. A heal is recorded by the group that healed.
+certificate, checkpoints (`writes`). A heal is recorded by the group that healed (`record_own`).
 
 A stop signal that finds no quorum to be had (the launcher that served the Lighthouse was killed, and the
 agents passed its death on as SIGTERM) stops every group at the step they last committed together, which no
@@ -18,25 +19,19 @@ group can pass without a quorum: the group that wrote it commits its checkpoint 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from ddptrain.checkpoint import Checkpointer
-from ddptrain.checkpoint.verify import VerifiedCheckpoint
 from ddptrain.config import Config
 from ddptrain.config.kinds import EVERY_STEP, NO_COMPRESSION
 from ddptrain.data.collate import build_collate
 from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError, DdptrainError
-from ddptrain.models.loss import to_device
-from ddptrain.observe.metrics import MetricsWriter, Progress
-from ddptrain.observe.recovery import RecoveryTimeline
+from ddptrain.ft_env import FaultToleranceEnv
 from ddptrain.observe.runlog import FILE_ONLY
 from ddptrain.train.agreement import (
     FROM_FOLDER,
@@ -51,9 +46,9 @@ from ddptrain.train.agreement import (
 from ddptrain.train.cross_group import CrossGroupGradients
 from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
 from ddptrain.train.peer_watch import SILENT_S
-from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT, StopRequest
-from ddptrain.train.sync import Sync
-from ddptrain.train.trainer import StepResult, Trainer
+from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT
+from ddptrain.train.sync.base import Loop, Share
+from ddptrain.train.sync.every_step import EveryStep
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +92,17 @@ def share(micro_batches: int, ranks: int, index: int) -> tuple[int, int]:
     return index * micro_batches // ranks, (index + 1) * micro_batches // ranks
 
 
-class InPlaceTrainer(Trainer):
-    """Trainer whose steps survive the loss of other replica groups (torchft); see the module docstring."""
+class InPlace(EveryStep):
+    """Steps that survive the loss of other replica groups (torchft); see the module docstring."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        ctx: DistContext,
-        model: nn.Module,
-        train_set: Dataset[Any],
-        val_set: Dataset[Any] | None,
-        checkpointer: Checkpointer,
-        metrics: MetricsWriter,
-        progress: Progress,
-        session: InPlaceSession,
-        sync: Sync | None = None,
-    ) -> None:
-        super().__init__(cfg, ctx, model, train_set, val_set, checkpointer, metrics, progress, sync)
-        self.train_set = train_set  # map-style: check_in_place_data refused any other before the folder was written
-        self.group_id = session.env.replica_group
+    def __init__(self, cfg: Config, ctx: DistContext, ft: FaultToleranceEnv | None = None) -> None:
+        super().__init__(cfg, ctx, ft)
+        assert ft is not None  # build_sync picks this kind only for a replica group of the in-place mode
+        self.session = InPlaceSession(ft, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
+        self.group_id = ft.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
-        self.session = session
-        self.cross_group = CrossGroupGradients(
-            list(self.model.parameters()),
-            int(cfg.dist.bucket_cap_mb * 2**20),
-            session.cross_sum,
-            # Under DDP the group's own sum is in the gradients only after backward.
-            overlap=not isinstance(getattr(self.ddp, "_orig_mod", self.ddp), DDP),
-        )
-        self.recipe = recipe_of(checkpointer.config, checkpointer.identity)
-        self.resumed_recipe: str | None = None  # the recipe of the checkpoint this group resumed from
+        self.cross_group: CrossGroupGradients | None = None  # attach() lays out its buckets
+        self.recipe = ""  # this group's (attach: the run's config and identity)
         self.in_job = False  # whether this process committed a step or healed from the job (train/agreement.py)
         self.writer = ctx.is_main  # until the first quorum says which group writes
         self.members: list[int] = []  # the group ids of the last committed step
@@ -134,80 +110,118 @@ class InPlaceTrainer(Trainer):
         self.evicted: set[int] = set()  # groups evicted from those steps for not answering (train/peer_watch.py)
         self.commits = 0  # steps committed by this process
         self.saved_step: int | None = None  # the last step this group saved
-        self.stop_request: StopRequest | None = None
         self.pending: View | None = None  # the first quorum, taken (and admitted) before the run was accepted
-        metrics.hold()  # until this group is admitted: a group of another recipe leaves metrics.jsonl as it was
+        self.view: View | None = None  # the quorum of the attempt in flight
+        self.taken = 0  # this rank's micro-batches in it
 
-    def resume(self, ckpt: VerifiedCheckpoint) -> None:
-        """Trainer.resume; notes the checkpoint's recipe (a group resuming with its own recipe stands higher)."""
-        super().resume(ckpt)
-        self.resumed_recipe = recipe_of(ckpt.manifest.config, ckpt.manifest.identity)
+    def attach(self, loop: Loop) -> None:
+        """The cross-group buckets (in one fixed layout) and this group's recipe; the loop's metrics are held until
+        this group is admitted (a group of another recipe leaves metrics.jsonl as it was)."""
+        super().attach(loop)
+        self.cross_group = CrossGroupGradients(
+            list(loop.model.parameters()),
+            int(self.cfg.dist.bucket_cap_mb * 2**20),
+            self.session.cross_sum,
+            # Under DDP the group's own sum is in the gradients only after backward.
+            overlap=not isinstance(getattr(loop.ddp, "_orig_mod", loop.ddp), DDP),
+        )
+        self.recipe = recipe_of(loop.checkpointer.config, loop.checkpointer.identity)
+        loop.metrics.hold()
 
-    def after_resume(self) -> None:
+    def begin(self) -> None:
         """Join the quorums at the step this group resumed at (a collective in the group: its store and Manager),
         and take the first one: a group of another recipe than the job's stops there (exit 2) before it heals,
         trains or writes anything (run.py writes config.yaml and the held logs once this returns)."""
-        super().after_resume()
-        self.session.start(self.step, self.live_state, self.load_live_state, self.recipe)
-        if self.step < self.cfg.train.max_steps:
+        loop = self.loop
+        self.session.start(loop.step, self.live_state, self.load_live_state, self.recipe)
+        if loop.step < self.cfg.train.max_steps:
             self.pending = self.admitted_view()
-        self.metrics.accept()
+        loop.metrics.accept()
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
         self.session.close()
 
-    def event_fields(self) -> dict[str, Any]:
-        """This group's start, resume and end records name it (`ddptrain report` tells each group's story)."""
-        return {"replica_group": self.group_id}
-
     def live_state(self) -> dict[str, Any]:
         """What a donor sends a joining group: the whole training state, data position included, and who took part
         in the last step (so that a joiner that comes to write the folder reports the next change right)."""
-        return {"training": self.state_dict(), "groups": list(self.members)}
+        return {"training": self.loop.state_dict(), "groups": list(self.members)}
 
     def load_live_state(self, state: dict[str, Any]) -> None:
         """Load a peer's verified live state (the joiner's side of a heal)."""
-        self.load_state_dict(state["training"])
+        self.loop.load_state_dict(state["training"])
         self.members = list(state["groups"])
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def train_step(self) -> StepResult:
-        """One committed step: attempts until the groups in the quorum commit one (a discarded attempt changes
-        nothing: no update, the data position stays)."""
-        t0 = time.perf_counter()
-        while True:
-            self.session.mark_step()
-            view, self.pending = self.pending or self.admitted_view(), None
-            if view.groups * self.ctx.world_size > self.micro_batches:
-                raise ConfigError(
-                    f"{view.groups} replica groups x {self.ctx.world_size} ranks take part, more than the "
-                    f"{self.micro_batches} micro-batches of a global batch: raise train.global_batch_size"
-                )
-            result = self.attempt(view, t0)
-            if result is not None:
-                return result
-            self.discarded += 1
-            level = self.stop_level()
-            if level in (INTERRUPT, PREEMPT):  # a stop signal while steps fail: leave now, at the last commit
-                raise self.stop_at_last_commit()
-            if level != NO_STOP:
-                raise self.stop_request.stop_error(self.step, level)  # type: ignore[union-attr]
+    def begin_step(self) -> Share:
+        """An attempt at the next step: its quorum (admitted, this group healed when behind), then this rank's
+        micro-batches of the global batch, cut over every rank of the quorum's groups. DDP averages over the
+        group's ranks and the groups then sum: each micro-batch weighs group size / micro-batches."""
+        self.session.mark_step()
+        view, self.pending = self.pending or self.admitted_view(), None
+        ws = self.ctx.world_size
+        if view.groups * ws > self.micro_batches:
+            raise ConfigError(
+                f"{view.groups} replica groups x {ws} ranks take part, more than the "
+                f"{self.micro_batches} micro-batches of a global batch: raise train.global_batch_size"
+            )
+        lo, hi = share(self.micro_batches, view.groups * ws, view.rank * ws + self.ctx.rank)
+        self.view, self.taken = view, hi - lo
+        return Share((lo, hi), ws / self.micro_batches)
+
+    def before_backward(self, last: bool) -> None:
+        """The last backward also starts the cross-group sums of finished buckets."""
+        if last:
+            assert self.cross_group is not None
+            self.cross_group.arm()
+
+    def commit(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """The rest of the cross-group sum, the step's sum (loss, health, membership), then the group's vote: the
+        step's loss (the mean over every rank of the step) when it is committed; None when it is discarded (a stop
+        requested meanwhile raises here: at the last commit when no quorum can be had)."""
+        assert self.cross_group is not None and self.view is not None
+        self.cross_group.launch_rest()
+        summed = self.step_sum(self.view, loss / self.ctx.world_size)  # queued behind the gradient buckets
+        self.cross_group.finish(self.session.errored)
+        if (frozen := self.session.frozen_s()) >= SILENT_S:  # the others evicted this group meanwhile
+            self.session.report(f"this group was stopped for {frozen:.1f} s: the other groups went on without it")
+        if not self.session.should_commit():  # every rank of the group: the same verdict
+            self.discard()
+            return None
+        assert summed is not None
+        self.after_commit(self.view, summed)
+        return summed[_LOSS].to(self.ctx.device, torch.float32)
+
+    def discard(self) -> None:
+        """A discarded attempt: say why, count it, and leave when a stop was requested meanwhile."""
+        eviction = self.session.take_eviction()
+        self.session.abandon_collectives()
+        why = self.session.error_line() or "another rank of the group voted no"
+        if eviction is not None:  # named in the next quorum event
+            why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
+            self.evicted.update(eviction.groups)
+        log.warning("step %d discarded (%s); retrying with the next quorum", self.loop.step + 1, why)
+        self.discarded += 1
+        level = self.stop_level()
+        if level in (INTERRUPT, PREEMPT):  # a stop signal while steps fail: leave now, at the last commit
+            raise self.stop_at_last_commit()
+        if level != NO_STOP:
+            raise self.loop.stop_request.stop_error(self.loop.step, level)  # type: ignore[union-attr]
 
     def admitted_view(self) -> View:
         """The next quorum whose groups all train the job's recipe (a new membership is admitted first: admit),
         healing this group there when it is behind (from a donor of its own recipe only: in_place_transport.py)."""
         while True:
             try:
-                view = self.session.quorum(self.step, self.waiting_for_quorum, self.leaving)
+                view = self.session.quorum(self.loop.step, self.waiting_for_quorum, self.leaving)
             except QuorumAbandoned:
                 raise self.stop_at_last_commit() from None
             if view.heal is not None:
                 self.in_job = self.in_job or view.heal.verified  # a donor of its recipe's state: the job's
                 self.record_heal(view)
             elif self.session.errored():  # e.g. the donor of a heal died mid-transfer: the step is discarded
-                self.record_own("quorum_failed", error=self.session.error_line())
+                self.record_event("quorum_failed", error=self.session.error_line())
             if not view.new or self.admit(view):
                 return view
             self.session.should_commit()  # discarded by this group: the next quorum is asked without the outsiders
@@ -237,14 +251,19 @@ class InPlaceTrainer(Trainer):
         return True
 
     def standing(self) -> float:
-        """How this group's recipe weighs when the job's is chosen (train/agreement.py)."""
+        """How this group's recipe weighs when the job's is chosen (train/agreement.py): in the job, resumed from a
+        checkpoint of its own recipe, or new."""
         if self.in_job:
             return IN_JOB
-        return FROM_FOLDER if self.resumed_recipe == self.recipe else NEW
+        resumed = self.loop.resumed_from
+        if resumed is not None and recipe_of(resumed.manifest.config, resumed.manifest.identity) == self.recipe:
+            return FROM_FOLDER
+        return NEW
 
     def stop_level(self) -> int:
         """This rank's own stop request (train/preemption.py's levels); NO_STOP without one."""
-        return self.stop_request.level if self.stop_request is not None else NO_STOP
+        request = self.loop.stop_request
+        return request.level if request is not None else NO_STOP
 
     def leaving(self) -> bool:
         """Asked while a quorum is pending: leave it when a stop was requested and the Lighthouse is gone (no
@@ -254,76 +273,28 @@ class InPlaceTrainer(Trainer):
     def stop_at_last_commit(self) -> DdptrainError:
         """Stop without another step: the group that wrote the last committed step commits its checkpoint (unless
         it has already), as at any agreed stop; returns the stop (75 or 130) for every rank to raise."""
-        assert self.stop_request is not None
+        loop = self.loop
+        assert loop.stop_request is not None
         level = self.stop_level()
-        log.warning("stop requested with no step to be had: stopping at step %d, the last committed", self.step)
-        self.agreement.wait()  # every rank of the group started the same agreement after that step
+        log.warning("stop requested with no step to be had: stopping at step %d, the last committed", loop.step)
+        loop.agreement.wait()  # every rank of the group started the same agreement after that step
         if self.writer and self.commits:
-            if self.saved_step != self.step:
-                self.observers.state_settled(self.step, False, True)  # the replica check before a save
-                with self.observers.phase("checkpoint"):
-                    self.save_checkpoint()
-                    self.report_saves()
-            with self.observers.phase("checkpoint"):
-                self.finish_saves()
+            if self.saved_step != loop.step:
+                loop.observers.state_settled(loop.step, False, True)  # the replica check before a save
+                with loop.observers.phase("checkpoint"):
+                    loop.save_checkpoint()
+                    loop.report_saves()
+            with loop.observers.phase("checkpoint"):
+                loop.finish_saves()
         else:
-            self.checkpointer.wait()
-        return self.stop_request.stop_error(self.step, level)
+            loop.checkpointer.wait()
+        return loop.stop_request.stop_error(loop.step, level)
 
     def waiting_for_quorum(self, why: str) -> None:
         """A quorum failed (the Lighthouse away?): say so, and give the next attempt a step budget of its own (the
         observers hear the step start again)."""
-        log.warning("no quorum for step %d (%s); asking the Lighthouse again", self.step + 1, why)
-        self.observers.step_started(self.step + 1)
-
-    def attempt(self, view: View, t0: float) -> StepResult | None:
-        """Train this rank's share of the next global batch; the StepResult when the step was committed."""
-        self.timer.start()
-        ranks = view.groups * self.ctx.world_size
-        lo, hi = share(self.micro_batches, ranks, view.rank * self.ctx.world_size + self.ctx.rank)
-        batches = self.batches_of(lo, hi)
-        self.timer.lap("data")
-        # DDP averages over the group's ranks; the groups then sum: each micro-batch weighs group size / M.
-        loss = self.forward_backward(batches, [self.ctx.world_size / self.micro_batches] * len(batches))
-        self.cross_group.launch_rest()
-        summed = self.step_sum(view, loss / self.ctx.world_size)  # queued behind the gradient buckets
-        self.cross_group.finish(self.session.errored)
-        if (frozen := self.session.frozen_s()) >= SILENT_S:  # the others evicted this group meanwhile
-            self.session.report(f"this group was stopped for {frozen:.1f} s: the other groups went on without it")
-        committed = self.session.should_commit()  # every rank of the group: the same verdict
-        if not committed:
-            self.optimizer.zero_grad(set_to_none=True)
-            eviction = self.session.take_eviction()
-            self.session.abandon_collectives()
-            why = self.session.error_line() or "another rank of the group voted no"
-            if eviction is not None:  # named in the next quorum event
-                why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
-                self.evicted.update(eviction.groups)
-            log.warning("step %d discarded (%s); retrying with the next quorum", self.step + 1, why)
-            return None
-        assert summed is not None
-        self.after_commit(view, summed, ranks, hi - lo)
-        norm, skipped = self.apply_update()
-        self.sampler.advance()
-        self.step += 1
-        return StepResult(summed[_LOSS].to(self.ctx.device, torch.float32), norm, skipped, time.perf_counter() - t0)
-
-    def sync_gradients(self, last: bool) -> None:
-        """Trainer.sync_gradients; the last backward also starts the cross-group sums of finished buckets."""
-        super().sync_gradients(last)
-        if last:
-            self.cross_group.arm()
-
-    def batches_of(self, lo: int, hi: int) -> list[Any]:
-        """Micro-batches lo..hi of the next global batch, read by sample id (the same ids at any membership)."""
-        if self.sampler.epoch_done:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-        micro = self.cfg.data.micro_batch_size
-        start = self.sampler.position
-        ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
-        chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
-        batches = [self.collate([self.train_set[i] for i in chunk]) for chunk in chunks]
-        return [to_device(batch, self.ctx.device) for batch in batches]
+        log.warning("no quorum for step %d (%s); asking the Lighthouse again", self.loop.step + 1, why)
+        self.loop.observers.step_started(self.loop.step + 1)
 
     def step_sum(self, view: View, loss: torch.Tensor) -> torch.Tensor | None:
         """Sum over every rank of the step: the loss, who is healthy, who healed or saw the membership change, and the
@@ -362,7 +333,7 @@ class InPlaceTrainer(Trainer):
         """Every group shows its state's fingerprint; those that differ from the lowest-ranked group's heal again."""
         slots = torch.zeros(view.groups, dtype=torch.float64)
         if self.ctx.rank == 0:
-            slots[view.rank] = state_fingerprint(self.model, self.optimizer, self.ctx.device)
+            slots[view.rank] = state_fingerprint(self.loop.model, self.loop.optimizer, self.ctx.device)
         summed = self.session.sum_over_all_ranks(slots)
         if summed is None:
             return False
@@ -372,24 +343,26 @@ class InPlaceTrainer(Trainer):
         self.session.report(f"replica group(s) {odd} hold another state than group {groups[0]}")
         if self.group_id in odd:
             log.warning("this group's state differs from group %d's: it heals from it", groups[0])
-            self.record_own("state_differs", from_group=groups[0])
+            self.record_event("state_differs", from_group=groups[0])
             self.session.heal_again()
         return False
 
-    def after_commit(self, view: View, summed: torch.Tensor, ranks: int, mine: int) -> None:
+    def after_commit(self, view: View, summed: torch.Tensor) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership."""
+        loop = self.loop
         self.writer, self.in_job = view.rank == 0, True
         # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
         # rank 0 logs the steps (log_train), so only it writes the certificate.
-        self.metrics.enabled = self.ctx.is_main and self.writer
-        self.world_size, self.accum = ranks, mine
+        loop.metrics.enabled = self.ctx.is_main and self.writer
+        ranks = view.groups * self.ctx.world_size
+        loop.world_size, loop.accum = ranks, self.taken
         members = [int(g) - 1 for g in summed[_FIXED : _FIXED + view.groups].tolist()]
         if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
             old = set(self.members)
-            self.metrics.write(
+            loop.metrics.write(
                 "event",
                 event="quorum",
-                step=self.step + 1,
+                step=loop.step + 1,
                 groups=members,
                 joined=sorted(set(members) - old) if self.members else [],
                 left=sorted(old - set(members)),
@@ -397,11 +370,13 @@ class InPlaceTrainer(Trainer):
                 discarded_steps=self.discarded,
                 evicted=sorted(self.evicted),
             )
-            if self.metrics.enabled:
-                log.info("step %d: replica groups %s (%d ranks)", self.step + 1, members, ranks)
+            if loop.metrics.enabled:
+                log.info("step %d: replica groups %s (%d ranks)", loop.step + 1, members, ranks)
             self.members = members
         self.discarded, self.evicted = 0, set()
         self.commits += 1
+
+    # ---- what the loop writes and shows -----------------------------------------------------------
 
     def record_heal(self, view: View) -> None:
         """The group that healed writes the heal into metrics.jsonl itself (whoever writes the rest)."""
@@ -415,41 +390,41 @@ class InPlaceTrainer(Trainer):
             **({"error": heal.error} if heal.error else {}),
         }
         (log.info if heal.verified else log.warning)("heal of group %d: %s", self.group_id, record)
-        self.record_own("heal", **record)
+        self.record_event("heal", **record)
 
-    def record_own(self, event: str, **fields: Any) -> None:
-        """An event of this group's own (a heal, a failed quorum, how it ends): written whichever group writes the
-        rest."""
-        was, self.metrics.enabled = self.metrics.enabled, self.ctx.is_main
+    def record_event(self, event: str, **fields: Any) -> None:
+        """An event of this group's own at the current step (a heal, a failed quorum)."""
+        self.record_own({"event": event, "step": self.loop.step, **fields})
+
+    def record_own(self, record: dict[str, Any]) -> None:
+        """An event of this group's own (a heal, a failed quorum, how it ends), naming the group: written whichever
+        group writes the rest (`ddptrain report` tells each group's story)."""
+        metrics = self.loop.metrics
+        was, metrics.enabled = metrics.enabled, self.ctx.is_main
         try:
-            self.metrics.write("event", **{"event": event, "step": self.step, **fields, **self.event_fields()})
+            metrics.write("event", **record, **self.event_fields())
         finally:
-            self.metrics.enabled = was
+            metrics.enabled = was
 
-    def record_end(self, record: dict[str, Any]) -> None:
-        """Every group records how its process ends, naming itself (`ddptrain report` tells each group's story)."""
-        self.record_own(**record)
+    def event_fields(self) -> dict[str, Any]:
+        """This group's start, resume and end records name it."""
+        return {"replica_group": self.group_id}
 
-    def fit(self, stop_request: StopRequest | None = None, timeline: RecoveryTimeline | None = None) -> None:
-        """Trainer.fit; a stop signal also ends the retries of a step that keeps failing (train_step)."""
-        self.stop_request = stop_request
-        super().fit(stop_request, timeline)
+    def writes(self) -> bool:
+        """The writing group logs the steps and saves (every group holds the same state after a commit); the
+        others keep the loss only."""
+        return self.writer
 
-    # ---- what only the writing group does ------------------------------------------------------------
+    def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
+        """EveryStep's; notes the step this group saved (stop_at_last_commit saves it only once)."""
+        super().checkpoint(shared, local)
+        self.saved_step = self.loop.step
 
     def console_extra(self) -> dict[str, bool] | None:
         """The writing group shows the job's once-only lines (start, val_loss, done); before the first quorum,
         group 0. The others keep them in their ranks' log files."""
         shown = self.writer if self.members else self.group_id == 0
         return None if shown else FILE_ONLY
-
-    def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
-        """The writing group logs the step (loss, progress, certificate, hooks); the others keep its loss only."""
-        if self.writer:
-            super().log_train(mean_loss, steps, seconds, grad_norm)
-        else:
-            self.last_loss = float(mean_loss)
-            self.nonfinite.take()
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """The logged loss is already the mean over every rank of the step (step_sum)."""
@@ -459,16 +434,3 @@ class InPlaceTrainer(Trainer):
         """The window's loss is the job's, the same on every rank (step_sum): no collective (a donor's live state is
         read on torchft's quorum thread)."""
         return [float(value)]
-
-    def save_checkpoint(self) -> None:
-        """The writing group saves (every group holds the same state after a commit)."""
-        if self.writer:
-            super().save_checkpoint()
-            self.saved_step = self.step
-
-    def finish_saves(self) -> None:
-        """The writing group finishes its saves as any run does; the others have none."""
-        if self.writer:
-            super().finish_saves()
-        else:
-            self.checkpointer.wait()
