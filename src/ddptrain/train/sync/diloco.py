@@ -41,6 +41,7 @@ from ddptrain.config import Config
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
+from ddptrain.ft_env import FaultToleranceEnv
 from ddptrain.train.sync.base import Loop
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import fragments_due, split_fragments
@@ -79,8 +80,8 @@ class DiLoCo(EveryStep):
     """DDP inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across the groups
     every train.diloco.every_steps steps; see the module docstring."""
 
-    def __init__(self, cfg: Config, ctx: DistContext) -> None:
-        super().__init__(cfg, ctx)
+    def __init__(self, cfg: Config, ctx: DistContext, ft: FaultToleranceEnv | None = None) -> None:
+        super().__init__(cfg, ctx, ft)
         assert cfg.train.diloco is not None  # Config.sync_kind picks DiLoCo only then
         self.diloco = cfg.train.diloco
         self.groups = self.diloco.group_count(ctx.world_size, ctx.local_world_size)
