@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from ddptrain.config import load_config
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
+from ddptrain.ft_env import FaultToleranceEnv
+from ddptrain.train.sync import build_sync
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
 from ddptrain.train.sync.fragments import fragments_due, split_fragments
 from ddptrain.train.sync.in_place import check_in_place
@@ -110,6 +113,17 @@ def test_groups_divide_the_world_and_the_in_place_mode_refuses_diloco() -> None:
     assert cfg.train.diloco is not None and cfg.train.diloco.group_count(8, 8) == 1
     with pytest.raises(ConfigError, match="train.diloco is not supported with it yet"):
         check_in_place(cfg)
+
+
+def test_build_sync_builds_each_kind_from_the_same_arguments_without_a_collective() -> None:
+    plain = load_config(None, [])
+    diloco = load_config(None, ["train.diloco.every_steps=4", "train.eval_every=8"])
+    ft = FaultToleranceEnv("http://127.0.0.1:9", replica_group=1, bind="127.0.0.1")
+    assert type(build_sync(plain, DistContext())).__name__ == "EveryStep"
+    assert type(build_sync(diloco, DistContext())).__name__ == "DiLoCo"
+    in_place = build_sync(plain, DistContext(), ft)
+    assert type(in_place).__name__ == "InPlace" and in_place.event_fields() == {"replica_group": 1}
+    in_place.close()
 
 
 # ---- outer_dtype: what crosses the groups ---------------------------------------------------------
