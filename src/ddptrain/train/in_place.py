@@ -378,6 +378,11 @@ class InPlaceSession:
         error = self.manager.errored()
         return plain_error((str(error).strip().splitlines() or [""])[0]) if error is not None else ""
 
+    def at_step(self, step: int) -> None:
+        """The step this group holds, as the next quorum compares it (a group behind the others heals): for the
+        quorums of outer syncs only, whose commits do not count training steps."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
     def heal_again(self) -> None:
         """Fall behind every other group, so that the next quorum heals this one again."""
         self.manager.load_state_dict({"step": 0, "batches_committed": 0})

@@ -185,8 +185,8 @@ class Trainer:
         (lo, hi), micro, start = share.span, self.cfg.data.micro_batch_size, self.sampler.position
         ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
         chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
-        samples: Any = self.train_set  # map-style: the sync that reads by id refused any other dataset
-        return [to_device(self.collate([samples[i] for i in chunk]), self.ctx.device) for chunk in chunks]
+        # a map-style dataset: the sync that reads by id refused any other (check_in_place_data)
+        return [to_device(self.collate([self.train_set[i] for i in chunk]), self.ctx.device) for chunk in chunks]
 
     def loss_weights(self, batches: list[Any], share: Share) -> Sequence[float | torch.Tensor] | torch.Tensor:
         """Each micro-batch's loss weight: the share's, or 1 / accum; batches with labels: the step's mean over the

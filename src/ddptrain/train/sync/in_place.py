@@ -14,11 +14,20 @@ certificate, checkpoints (`writes`). A heal is recorded by the group that healed
 A stop signal that finds no quorum to be had (the launcher that served the Lighthouse was killed, and the
 agents passed its death on as SIGTERM) stops every group at the step they last committed together, which no
 group can pass without a quorum: the group that wrote it commits its checkpoint (`stop_at_last_commit`).
+
+With train.diloco the replica groups are DiLoCo's groups (its outer state and checkpoint form, with one group
+inside each replica group): inner steps take their share from the last outer sync's membership and have no
+quorum, vote or cross-group traffic; after every H-th step and the last (`after_update`): the quorum (a group
+behind heals: the training state, global weights and outer optimizer, its local weights reset to the global
+ones), the groups' pseudo-gradients and the count of contributing groups summed in fp32 (a group that healed
+there contributes nothing), the vote, the outer step. A lost group's share of its interval is trained by no one
+(docs/slow-links.md#diloco-in-the-in-place-mode---fault-tolerance-torchft).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,7 +57,9 @@ from ddptrain.train.in_place import InPlaceSession, QuorumAbandoned, View
 from ddptrain.train.peer_watch import SILENT_S
 from ddptrain.train.preemption import INTERRUPT, NO_STOP, PREEMPT
 from ddptrain.train.sync.base import Loop, Share
+from ddptrain.train.sync.diloco import DiLoCo, outer_update, pseudo_gradient
 from ddptrain.train.sync.every_step import EveryStep
+from ddptrain.train.sync.fragments import fragments_due
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +72,7 @@ def check_in_place(cfg: Config) -> None:
     if cfg.dist.strategy != "ddp":
         raise ConfigError(f"in-place fault tolerance trains with dist.strategy=ddp, not {cfg.dist.strategy} (yet)")
     if cfg.sync_kind != EVERY_STEP:
-        raise ConfigError(
-            "in-place fault tolerance synchronizes every step: train.diloco is not supported with it yet "
-            "(its quorum, commit and heal at outer syncs are the next step: docs/slow-links.md#diloco)"
-        )
+        check_in_place_diloco(cfg)
     if cfg.dist.grad_compression != NO_COMPRESSION:
         raise ConfigError(
             f"in-place fault tolerance sums the groups' gradients outside DDP's communication hooks: "
@@ -75,6 +83,34 @@ def check_in_place(cfg: Config) -> None:
             f"in-place fault tolerance cuts the global batch into micro-batches: train.global_batch_size="
             f"{cfg.train.global_batch_size} must be a multiple of data.micro_batch_size={cfg.data.micro_batch_size}"
         )
+
+
+def check_in_place_diloco(cfg: Config) -> None:
+    """ConfigError for a train.diloco the in-place mode does not train: the replica groups are the DiLoCo groups,
+    synced whole, in fp32, and the job's state is saved at outer syncs."""
+    d = cfg.train.diloco
+    assert d is not None
+    refusals = [
+        (d.groups > 1, f"takes the replica groups as its groups: train.diloco.groups={d.groups} must be 0"),
+        (d.fragments > 1, f"syncs the whole model at once: train.diloco.fragments={d.fragments} must be 1"),
+        (d.outer_dtype != "fp32", f"sums the groups' pseudo-gradients in fp32, not {d.outer_dtype}"),
+        (
+            cfg.ckpt.every_steps % d.every_steps != 0,
+            f"saves at outer syncs: ckpt.every_steps={cfg.ckpt.every_steps} must be a multiple of "
+            f"train.diloco.every_steps={d.every_steps}",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"in-place fault tolerance with train.diloco {why}")
+
+
+def one_group(cfg: Config) -> Config:
+    """cfg with train.diloco.groups=1: inside a replica group DiLoCo has one group (the replica groups are its
+    groups, summed through the in-place session)."""
+    assert cfg.train.diloco is not None
+    diloco = cfg.train.diloco.model_copy(update={"groups": 1})
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"diloco": diloco})})
 
 
 def check_in_place_data(cfg: Config, train_set: Dataset[Any], pad_id: Callable[[], int]) -> None:
@@ -101,7 +137,10 @@ class InPlace(EveryStep):
         self.session = InPlaceSession(ft, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
         self.group_id = ft.replica_group
         self.micro_batches = cfg.train.global_batch_size // cfg.data.micro_batch_size
-        self.cross_group: CrossGroupGradients | None = None  # attach() lays out its buckets
+        self.cross_group: CrossGroupGradients | None = None  # attach() lays out its buckets (every-step only)
+        # train.diloco: the outer step's state (global weights, outer optimizer) and checkpoint form are DiLoCo's
+        # with one group; the replica groups are summed here, at outer syncs only (in_place_diloco below)
+        self.outer = DiLoCo(one_group(cfg), ctx) if cfg.sync_kind != EVERY_STEP else None
         self.recipe = ""  # this group's (attach: the run's config and identity)
         self.in_job = False  # whether this process committed a step or healed from the job (train/agreement.py)
         self.writer = ctx.is_main  # until the first quorum says which group writes
@@ -118,13 +157,16 @@ class InPlace(EveryStep):
         """The cross-group buckets (in one fixed layout) and this group's recipe; the loop's metrics are held until
         this group is admitted (a group of another recipe leaves metrics.jsonl as it was)."""
         super().attach(loop)
-        self.cross_group = CrossGroupGradients(
-            list(loop.model.parameters()),
-            int(self.cfg.dist.bucket_cap_mb * 2**20),
-            self.session.cross_sum,
-            # Under DDP the group's own sum is in the gradients only after backward.
-            overlap=not isinstance(getattr(loop.ddp, "_orig_mod", loop.ddp), DDP),
-        )
+        if self.outer is not None:
+            self.outer.attach(loop)
+        else:
+            self.cross_group = CrossGroupGradients(
+                list(loop.model.parameters()),
+                int(self.cfg.dist.bucket_cap_mb * 2**20),
+                self.session.cross_sum,
+                # Under DDP the group's own sum is in the gradients only after backward.
+                overlap=not isinstance(getattr(loop.ddp, "_orig_mod", loop.ddp), DDP),
+            )
         self.recipe = recipe_of(loop.checkpointer.config, loop.checkpointer.identity)
         loop.metrics.hold()
 
@@ -133,10 +175,14 @@ class InPlace(EveryStep):
         and take the first one: a group of another recipe than the job's stops there (exit 2) before it heals,
         trains or writes anything (run.py writes config.yaml and the held logs once this returns)."""
         loop = self.loop
+        if self.outer is not None:
+            self.outer.begin()
         self.session.start(loop.step, self.live_state, self.load_live_state, self.recipe)
         if loop.step < self.cfg.train.max_steps:
             self.pending = self.admitted_view()
         loop.metrics.accept()
+        if self.outer is not None and self.pending is not None:  # the others are in an outer sync: join it
+            self.outer_sync(self.pending)
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
@@ -145,12 +191,26 @@ class InPlace(EveryStep):
     def live_state(self) -> dict[str, Any]:
         """What a donor sends a joining group: the whole training state, data position included, and who took part
         in the last step (so that a joiner that comes to write the folder reports the next change right)."""
-        return {"training": self.loop.state_dict(), "groups": list(self.members)}
+        state = {"training": self.loop.state_dict(), "groups": list(self.members)}
+        if self.outer is not None:
+            o = self.outer
+            assert o.outer is not None
+            state["outer"] = {"global": list(o.global_params), "optimizer": o.outer.state_dict(), "syncs": o.syncs}
+        return state
 
     def load_live_state(self, state: dict[str, Any]) -> None:
         """Load a peer's verified live state (the joiner's side of a heal)."""
         self.loop.load_state_dict(state["training"])
         self.members = list(state["groups"])
+        if self.outer is not None:  # the global weights and outer optimizer; the local weights reset to them
+            o, outer = self.outer, state["outer"]
+            assert o.outer is not None
+            o.outer.load_state_dict(outer["optimizer"])
+            o.syncs = int(outer["syncs"])
+            with torch.no_grad():
+                for g, p, sent in zip(o.global_params, o.local_params, outer["global"]):
+                    g.copy_(sent)
+                    p.copy_(sent)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -158,8 +218,17 @@ class InPlace(EveryStep):
         """An attempt at the next step: its quorum (admitted, this group healed when behind), then this rank's
         micro-batches of the global batch, cut over every rank of the quorum's groups. DDP averages over the
         group's ranks and the groups then sum: each micro-batch weighs group size / micro-batches."""
-        self.session.mark_step()
-        view, self.pending = self.pending or self.admitted_view(), None
+        if self.outer is None:  # DiLoCo's inner steps: the membership of the last outer sync
+            self.session.mark_step()
+            self.view, self.pending = self.pending or self.admitted_view(), None
+        assert self.view is not None
+        share = self.share_of(self.view)
+        if self.outer is not None:
+            self.take_part(self.view)
+        return share
+
+    def share_of(self, view: View) -> Share:
+        """This rank's micro-batches of a global batch cut over every rank of the view's groups."""
         ws = self.ctx.world_size
         if view.groups * ws > self.micro_batches:
             raise ConfigError(
@@ -167,19 +236,21 @@ class InPlace(EveryStep):
                 f"{self.micro_batches} micro-batches of a global batch: raise train.global_batch_size"
             )
         lo, hi = share(self.micro_batches, view.groups * ws, view.rank * ws + self.ctx.rank)
-        self.view, self.taken = view, hi - lo
+        self.taken = hi - lo
         return Share((lo, hi), ws / self.micro_batches)
 
     def before_backward(self, last: bool) -> None:
         """The last backward also starts the cross-group sums of finished buckets."""
-        if last:
-            assert self.cross_group is not None
+        if last and self.cross_group is not None:
             self.cross_group.arm()
 
     def commit(self, loss: torch.Tensor) -> torch.Tensor | None:
         """The rest of the cross-group sum, the step's sum (loss, health, membership), then the group's vote: the
         step's loss (the mean over every rank of the step) when it is committed; None when it is discarded (a stop
-        requested meanwhile raises here: at the last commit when no quorum can be had)."""
+        requested meanwhile raises here: at the last commit when no quorum can be had). DiLoCo's inner steps: this
+        rank's loss, kept (the groups meet at outer syncs only: after_update)."""
+        if self.outer is not None:
+            return loss
         assert self.cross_group is not None and self.view is not None
         self.cross_group.launch_rest()
         summed = self.step_sum(self.view, loss / self.ctx.world_size)  # queued behind the gradient buckets
@@ -187,21 +258,21 @@ class InPlace(EveryStep):
         if (frozen := self.session.frozen_s()) >= SILENT_S:  # the others evicted this group meanwhile
             self.session.report(f"this group was stopped for {frozen:.1f} s: the other groups went on without it")
         if not self.session.should_commit():  # every rank of the group: the same verdict
-            self.discard()
+            self.discard(f"step {self.loop.step + 1}")
             return None
         assert summed is not None
         self.after_commit(self.view, summed)
         return summed[_LOSS].to(self.ctx.device, torch.float32)
 
-    def discard(self) -> None:
-        """A discarded attempt: say why, count it, and leave when a stop was requested meanwhile."""
+    def discard(self, what: str) -> None:
+        """A discarded attempt at `what`: say why, count it, and leave when a stop was requested meanwhile."""
         eviction = self.session.take_eviction()
         self.session.abandon_collectives()
         why = self.session.error_line() or "another rank of the group voted no"
         if eviction is not None:  # named in the next quorum event
             why = f"replica group(s) {eviction.groups} stopped answering for {eviction.silent_s:g} s: evicted"
             self.evicted.update(eviction.groups)
-        log.warning("step %d discarded (%s); retrying with the next quorum", self.loop.step + 1, why)
+        log.warning("%s discarded (%s); retrying with the next quorum", what, why)
         self.discarded += 1
         level = self.stop_level()
         if level in (INTERRUPT, PREEMPT):  # a stop signal while steps fail: leave now, at the last commit
@@ -347,16 +418,28 @@ class InPlace(EveryStep):
             self.session.heal_again()
         return False
 
-    def after_commit(self, view: View, summed: torch.Tensor) -> None:
-        """Record who took part: the writer of the folder, world size, and any change of membership."""
-        loop = self.loop
-        self.writer, self.in_job = view.rank == 0, True
+    def take_part(self, view: View) -> None:
+        """The membership of `view` in what the loop writes: the writer of the folder, the world size, the
+        micro-batches taken (share_of)."""
+        self.writer = view.rank == 0
         # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
         # rank 0 logs the steps (log_train), so only it writes the certificate.
-        loop.metrics.enabled = self.ctx.is_main and self.writer
+        self.loop.metrics.enabled = self.ctx.is_main and self.writer
+        self.loop.world_size, self.loop.accum = view.groups * self.ctx.world_size, self.taken
+
+    def after_commit(self, view: View, summed: torch.Tensor) -> None:
+        """Record who took part: the writer of the folder, world size, and any change of membership (a quorum
+        event, written by the group that writes from now on). DiLoCo: the step of an outer sync is the last
+        interval's, written (and saved) by its writer while it is still in the job; the new membership then takes
+        part from the next step (begin_step)."""
+        loop = self.loop
+        self.in_job = True
         ranks = view.groups * self.ctx.world_size
-        loop.world_size, loop.accum = ranks, self.taken
         members = [int(g) - 1 for g in summed[_FIXED : _FIXED + view.groups].tolist()]
+        later = self.outer is not None and bool(self.members) and self.members[0] in members
+        if not later:
+            self.take_part(view)
+        was, loop.metrics.enabled = loop.metrics.enabled, self.ctx.is_main and view.rank == 0
         if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
             old = set(self.members)
             loop.metrics.write(
@@ -373,8 +456,60 @@ class InPlace(EveryStep):
             if loop.metrics.enabled:
                 log.info("step %d: replica groups %s (%d ranks)", loop.step + 1, members, ranks)
             self.members = members
+        if later:
+            loop.metrics.enabled = was
         self.discarded, self.evicted = 0, set()
         self.commits += 1
+
+    # ---- DiLoCo across the replica groups ---------------------------------------------------------
+
+    def after_update(self, step: int) -> None:
+        """train.diloco: after every H-th step and the last, the outer sync over the live replica groups."""
+        if self.outer is not None and fragments_due(step, self.outer.diloco.every_steps, 1, self.cfg.train.max_steps):
+            self.session.mark_step()
+            self.session.at_step(step)  # a group behind this step (a replacement) heals in this quorum
+            self.outer_sync(self.admitted_view())
+
+    def outer_sync(self, view: View) -> None:
+        """Outer rounds until one is committed (a round whose collective failed is discarded: the next quorum's
+        groups sum again; the pseudo-gradients are unchanged). A group that healed in the quorum contributes
+        nothing to that round (its weights are the global ones)."""
+        o = self.outer
+        assert o is not None
+        t0 = time.perf_counter()
+        while not self.outer_round(view, contributes=view.heal is None and self.in_job):
+            self.discard(f"outer sync at step {self.loop.step}")
+            self.session.mark_step()
+            view = self.admitted_view()
+        o.blocked_s += time.perf_counter() - t0
+
+    def outer_round(self, view: View, contributes: bool) -> bool:
+        """One outer round: the groups' pseudo-gradients and their count summed over the groups (fp32), the vote,
+        then (committed, with a group contributing) the outer step on their mean and local := global. Whether it was
+        committed."""
+        o = self.outer
+        assert o is not None and o.outer is not None
+        n, weight = view.groups, 1.0 if contributes else 0.0
+        head = torch.zeros(_FIXED + n, dtype=torch.float64)  # _LOSS: the groups that contribute
+        head[_LOSS] = weight
+        head[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
+        head[_FIXED + view.rank] = self.group_id + 1  # every rank: summed over the groups only, rank by rank
+        delta = pseudo_gradient(o.global_params, o.local_params).mul_(weight)
+        for sent in (self.session.cross_sum(head), self.session.cross_sum(delta)):
+            sent.wait()
+        if not self.session.errored() and int(head[_OK]) != n:
+            self.session.report(f"{n - int(head[_OK])} group(s) refused the state they healed from")
+        if not self.session.should_commit():
+            return False
+        if head[_LOSS] > 0:  # none: the first quorum of groups that start or resume together (their weights stay)
+            outer_update(o.outer, o.global_params, delta / float(head[_LOSS]))
+            o.syncs += 1
+            with torch.no_grad():
+                for g, p in zip(o.global_params, o.local_params):
+                    p.copy_(g)
+        self.view = view  # the membership of the next interval's steps (begin_step)
+        self.after_commit(view, head)
+        return True
 
     # ---- what the loop writes and shows -----------------------------------------------------------
 
@@ -416,9 +551,21 @@ class InPlace(EveryStep):
         return self.writer
 
     def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
-        """EveryStep's; notes the step this group saved (stop_at_last_commit saves it only once)."""
-        super().checkpoint(shared, local)
+        """EveryStep's (DiLoCo's with train.diloco); notes the step this group saved (stop_at_last_commit saves it
+        only once)."""
+        if self.outer is not None:
+            self.outer.checkpoint(shared, local)
+        else:
+            super().checkpoint(shared, local)
         self.saved_step = self.loop.step
+
+    def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
+        """EveryStep's (DiLoCo's with train.diloco: the global weights and outer optimizer)."""
+        return self.outer.restore(shared, local) if self.outer is not None else super().restore(shared, local)
+
+    def logged(self) -> dict[str, Any]:
+        """DiLoCo's fields with train.diloco (outer syncs, bytes, seconds blocked in them); none otherwise."""
+        return self.outer.logged() if self.outer is not None else {}
 
     def console_extra(self) -> dict[str, bool] | None:
         """The writing group shows the job's once-only lines (start, val_loss, done); before the first quorum,
@@ -427,8 +574,9 @@ class InPlace(EveryStep):
         return None if shown else FILE_ONLY
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
-        """The logged loss is already the mean over every rank of the step (step_sum)."""
-        return float(value)
+        """The logged loss is already the mean over every rank of the step (step_sum); DiLoCo's inner steps:
+        the mean over this group's ranks."""
+        return float(value) if self.outer is None else super().mean_over_ranks(value)
 
     def per_rank(self, value: torch.Tensor) -> list[float]:
         """The window's loss is the job's, the same on every rank (step_sum): no collective (a donor's live state is
