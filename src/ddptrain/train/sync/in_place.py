@@ -141,6 +141,7 @@ class InPlace(EveryStep):
         # train.diloco: the outer step's state (global weights, outer optimizer) and checkpoint form are DiLoCo's
         # with one group; the replica groups are summed here, at outer syncs only (in_place_diloco below)
         self.outer = DiLoCo(one_group(cfg), ctx) if cfg.sync_kind != EVERY_STEP else None
+        self.trained = False  # DiLoCo: inner steps trained since this group's weights were the global ones
         self.recipe = ""  # this group's (attach: the run's config and identity)
         self.in_job = False  # whether this process committed a step or healed from the job (train/agreement.py)
         self.writer = ctx.is_main  # until the first quorum says which group writes
@@ -203,7 +204,7 @@ class InPlace(EveryStep):
         self.loop.load_state_dict(state["training"])
         self.members = list(state["groups"])
         if self.outer is not None:  # the global weights and outer optimizer; the local weights reset to them
-            o, outer = self.outer, state["outer"]
+            o, outer, self.trained = self.outer, state["outer"], False
             assert o.outer is not None
             o.outer.load_state_dict(outer["optimizer"])
             o.syncs = int(outer["syncs"])
@@ -225,6 +226,7 @@ class InPlace(EveryStep):
         share = self.share_of(self.view)
         if self.outer is not None:
             self.take_part(self.view)
+            self.trained = True  # this group's pseudo-gradient counts at the next outer sync
         return share
 
     def share_of(self, view: View) -> Share:
@@ -472,12 +474,12 @@ class InPlace(EveryStep):
 
     def outer_sync(self, view: View) -> None:
         """Outer rounds until one is committed (a round whose collective failed is discarded: the next quorum's
-        groups sum again; the pseudo-gradients are unchanged). A group that healed in the quorum contributes
-        nothing to that round (its weights are the global ones)."""
+        groups sum again; the pseudo-gradients are unchanged). A group that trained no inner step since its weights
+        were the global ones (it healed, or the groups start or resume together) contributes nothing."""
         o = self.outer
         assert o is not None
         t0 = time.perf_counter()
-        while not self.outer_round(view, contributes=view.heal is None and self.in_job):
+        while not self.outer_round(view, contributes=self.trained):
             self.discard(f"outer sync at step {self.loop.step}")
             self.session.mark_step()
             view = self.admitted_view()
@@ -507,6 +509,7 @@ class InPlace(EveryStep):
             with torch.no_grad():
                 for g, p in zip(o.global_params, o.local_params):
                     p.copy_(g)
+        self.trained = False
         self.view = view  # the membership of the next interval's steps (begin_step)
         self.after_commit(view, head)
         return True
