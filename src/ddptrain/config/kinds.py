@@ -108,7 +108,7 @@ SYNCS = Registry(
     "a synchronization",
     {
         EVERY_STEP: Kind(f"{_SYNC}.every_step:EveryStep", "every step reduces the gradients (DDP, FSDP; dist.grad_compression)"),
-        IN_PLACE: Kind(f"{_SYNC}.in_place:InPlace", "every step: quorum, gradients summed over the live replica groups, commit vote (torchft)"),
+        IN_PLACE: Kind(f"{_SYNC}.in_place:InPlace", "a replica group of the in-place mode (torchft): quorum, sum over the live groups, commit vote, heal; every step, or at DiLoCo's outer syncs"),
         "diloco": Kind(f"{_SYNC}.diloco:DiLoCo", "groups take train.diloco.every_steps inner steps, then an outer step on their mean pseudo-gradient"),
     },
 )  # fmt: skip
