@@ -36,7 +36,6 @@ check's all-gathers (before every save and on check steps), then the save's own.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -88,13 +87,13 @@ from ddptrain.safe_files import write_text_replace
 from ddptrain.train.agent_watch import AgentWatch
 from ddptrain.train.compression import check_backend
 from ddptrain.train.hooks import Hooks
-from ddptrain.train.in_place import InPlaceSession
-from ddptrain.train.in_place_trainer import InPlaceTrainer, check_in_place, check_in_place_data
+from ddptrain.train.in_place import reach
 from ddptrain.train.preemption import StopRequest
 from ddptrain.train.replicas import ReplicaCheck, ReplicaDivergence, ReplicaGuard
 from ddptrain.train.rng import seed_everything
 from ddptrain.train.start import resume_or_start, say
 from ddptrain.train.sync import build_sync
+from ddptrain.train.sync.in_place import check_in_place, check_in_place_data
 from ddptrain.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ class Run:
         self.progress.close()
         why = trainer.stopped_because  # train.early_stop or a hook: a normal end before max_steps
         done = f"finished early at step {trainer.step}: {why}" if why else f"done: {trainer.step} steps"
-        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir), extra=trainer.console_extra())
+        log.info("%s; checkpoints in %s", done, checkpoints_dir(self.cfg.run_dir), extra=trainer.sync.console_extra())
         ending = "finished_early" if why else "completed"
         self._end(ending, 0, **({"reason": why} if why else {}))  # before the artifacts: the report tells it too
         if self.cfg.log.track_artifacts and ctx.is_main:
@@ -258,17 +257,13 @@ def build_run(
     trainer_cls: a subclass of Trainer with step methods of your own (the benchmarks use one).
     timeline: the marks of this (re)start so far; the run adds its own and writes them after the first step.
     in_place: this worker's replica group in the in-place fault-tolerant mode (ft_env.py): the group holds its
-    own lease on the folder, and trains with an InPlaceTrainer.
+    own lease on the folder, and synchronizes with the in-place sync (train/sync/in_place.py).
     """
     lease_name = LEASE
     if in_place is not None:
         check_in_place(cfg)
-        session = InPlaceSession(in_place, ctx, cfg.dist.ft_timeout_s, cfg.dist.timeout_s)
-        session.reach()  # a Lighthouse that does not answer is refused before anything is written
-        trainer_cls, lease_name = (
-            functools.partial(InPlaceTrainer, session=session),
-            group_lease(in_place.replica_group),
-        )
+        reach(in_place, cfg.dist.ft_timeout_s)  # a Lighthouse that does not answer: refused before anything is written
+        lease_name = group_lease(in_place.replica_group)
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
     writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
@@ -278,7 +273,7 @@ def build_run(
     source = data_source(cfg.data, datasets)
     lease, tag = take_lease(run_dir, ctx, lease_name)
     try:
-        return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline, in_place is not None)
+        return _build(cfg, ctx, (lease, tag), writer, model, source, trainer_cls, timeline, in_place)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -321,7 +316,7 @@ def _build(
     source: DataSource,
     trainer_cls: Callable[..., Trainer],
     timeline: RecoveryTimeline | None,
-    in_place: bool,
+    in_place: FaultToleranceEnv | None,
 ) -> Run:
     run_dir, (lease, tag) = cfg.run_dir, leased
     source.prepare(ctx, wait_s=cfg.dist.timeout_s / 2)
@@ -330,14 +325,14 @@ def _build(
     cfg = cfg.model_copy(update={"model": fit_vocab_to_data(cfg.model, data_vocab)})
     seed_everything(cfg.run.seed)
     train_set, val_set = source.datasets(Sampling.of(cfg))
-    if in_place:  # before anything is written: a refused group leaves the run folder as it was
+    if in_place is not None:  # before anything is written: a refused group leaves the run folder as it was
         check_in_place_data(cfg, train_set, source.pad_id)
     agree_on_data(ctx, source.identity(train_set, val_set))
     # Same seed on every rank: identical init (DDP also broadcasts it).
     built = live_model(cfg, model)
     module = build_model(cfg.model, data_vocab) if built is None else built
     module, base = with_adapters(module, cfg.model, live=built is not None)  # model.peft: base digested, adapters on
-    sync = build_sync(cfg, ctx)  # how the ranks agree (train/sync/): its groups, then the wrapped module
+    sync = build_sync(cfg, ctx, in_place)  # how the ranks agree (train/sync/): its groups, then the wrapped module
     sync.setup()
     wrapped = sync.wrap(module)
     seed_everything(cfg.run.seed + ctx.rank)  # then per-rank streams (dropout, augmentation)

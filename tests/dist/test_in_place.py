@@ -406,3 +406,56 @@ def test_a_sigkilled_launcher_stops_its_groups_at_the_last_commit_with_a_checkpo
         tmp_path / "launch.log"
     ).read_text()[-3000:]
     assert verify_checkpoint(run_dir / "checkpoints" / f"step-{last:08d}").step == last  # the stop step, committed
+
+
+@pytest.mark.timeout(200)
+def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_outer_sync(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """train.diloco in the in-place mode: the replica groups are the DiLoCo groups, meeting at outer syncs only.
+    Group 1 is killed mid-interval; group 0 syncs alone at the next outer sync (its steps go on, none repeated);
+    the replacement resumes from the durable checkpoint, heals at a later outer sync (the global weights and outer
+    optimizer, its local weights reset to them) and trains to the end."""
+    run_dir = tmp_path / "run"
+    diloco = ["train.diloco.every_steps=3", "ckpt.every_steps=6", "model.kwargs.step_sleep=0.1"]
+    argv = [sys.executable, "-m", "ddptrain", "train", *TOY, *diloco, f"run.dir={run_dir}"]
+    logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(3)]  # group2.log: group 1's replacement
+    gate = tmp_path / "replace-now"  # the replacement's imports are done before group 1 dies: it restarts at once
+    replacement = [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]]
+    groups = [
+        subprocess.Popen(argv, env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT) for g in (0, 1)
+    ]
+    groups.append(subprocess.Popen(replacement, env=ft_env(1, lighthouse), stdout=logs[2], stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 90
+        while not any(r.get("step", 0) >= 7 and r["step"] % 3 == 1 for r in records(run_dir) if r["kind"] == "train"):
+            said = (tmp_path / "group1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and groups[1].poll() is None, said
+            time.sleep(0.02)
+        groups[1].kill()  # after the writer's first step of an interval: group 1 is inside the same interval
+        groups[1].wait(timeout=10)
+        killed_at = time.time()
+        while not any(r.get("event") == "quorum" and r["groups"] == [0] and r["step"] > 7 for r in records(run_dir)):
+            assert time.monotonic() < deadline, (tmp_path / "group0.log").read_text()[-3000:]
+            time.sleep(0.02)
+        gate.touch()  # once group 0 synced alone (group 1's heartbeat timed out): the replacement comes back
+        assert groups[0].wait(timeout=120) == 0, (tmp_path / "group0.log").read_text()[-3000:]
+        assert groups[2].wait(timeout=60) == 0, (tmp_path / "group2.log").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            proc.kill()
+        for f in logs:
+            f.close()
+    trained = [r for r in records(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in trained] == list(range(1, 41))  # every step once: group 0 wrote them all
+    assert trained[-1]["outer_syncs"] == 14  # steps 3, 6, ..., 39 and the last: each with at least one group
+    events = [r for r in records(run_dir) if r["kind"] == "event"]
+    quorums = [(e["groups"], e["step"]) for e in events if e.get("event") == "quorum"]
+    # Membership moves at outer syncs only (a group that starts first may train the first interval alone).
+    assert all(step % 3 == 1 or step == 41 for _, step in quorums), quorums  # 41: the last step's sync
+    together = [g for g, _ in quorums]
+    lost = together.index([0], together.index([0, 1]))  # group 1 left: group 0 synced alone ...
+    assert [0, 1] in together[lost:], quorums  # ... until the replacement joined
+    heals = [e for e in events if e.get("event") == "heal" and e["replica_group"] == 1]
+    assert heals and heals[-1]["verified"] and heals[-1]["time"] > killed_at
+    assert any(e.get("event") == "resume" and e["replica_group"] == 1 for e in events)  # from the durable checkpoint

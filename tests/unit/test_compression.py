@@ -23,8 +23,8 @@ from ddptrain.config.system import DistConfig
 from ddptrain.errors import ConfigError
 from ddptrain.observe.perf import StepTimer
 from ddptrain.train.compression import PowerSgd, attach, check_backend, payload_bytes
-from ddptrain.train.in_place_trainer import check_in_place
 from ddptrain.train.parallel import mixed_precision
+from ddptrain.train.sync.in_place import check_in_place
 
 
 @pytest.mark.parametrize(

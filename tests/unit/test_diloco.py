@@ -14,10 +14,13 @@ from ddptrain.config.train import INT8_CHUNK as CHUNK
 from ddptrain.config.train import DiLoCoConfig
 from ddptrain.config.train import outer_payload_bytes as payload_bytes
 from ddptrain.data.sampler import ResumableDistributedSampler
+from ddptrain.dist import DistContext
 from ddptrain.errors import ConfigError
-from ddptrain.train.in_place_trainer import check_in_place
+from ddptrain.ft_env import FaultToleranceEnv
+from ddptrain.train.sync import build_sync
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
 from ddptrain.train.sync.fragments import fragments_due, split_fragments, sync_plan
+from ddptrain.train.sync.in_place import check_in_place
 from ddptrain.train.sync.outer_dtype import (
     decode,
     dequantize_int8,
@@ -100,7 +103,7 @@ def test_the_groups_take_each_sample_of_a_global_batch_once(
         assert together == sorted(order[step * batch : (step + 1) * batch])  # each sample once, none other
 
 
-def test_groups_divide_the_world_and_the_in_place_mode_refuses_diloco() -> None:
+def test_groups_divide_the_world_and_the_in_place_mode_refuses_what_it_cannot_sync() -> None:
     cfg = load_config(None, ["train.diloco.every_steps=4", "train.eval_every=8", "data.micro_batch_size=4"])
     cfg.check_world_size(4, 2)  # groups=0: one per node of 2 ranks
     with pytest.raises(
@@ -108,8 +111,27 @@ def test_groups_divide_the_world_and_the_in_place_mode_refuses_diloco() -> None:
     ):
         cfg.check_world_size(4, 3)
     assert cfg.train.diloco is not None and cfg.train.diloco.group_count(8, 8) == 1
-    with pytest.raises(ConfigError, match="train.diloco is not supported with it yet"):
-        check_in_place(cfg)
+    check_in_place(load_config(None, ["train.diloco.every_steps=4", "ckpt.every_steps=8", "train.eval_every=0"]))
+    for bad, says in [
+        ("train.diloco.groups=2", "train.diloco.groups=2 must be 0"),
+        ("train.diloco.fragments=2", "train.diloco.fragments=2 must be 1"),
+        ("train.diloco.outer_dtype=int8", "in fp32, not int8"),
+        ("ckpt.every_steps=6", "ckpt.every_steps=6 must be a multiple of train.diloco.every_steps=4"),
+    ]:
+        args = ["train.diloco.every_steps=4", "ckpt.every_steps=8", "train.eval_every=0", bad]
+        with pytest.raises(ConfigError, match=f"in-place fault tolerance with train.diloco .*{says}"):
+            check_in_place(load_config(None, args))
+
+
+def test_build_sync_builds_each_kind_from_the_same_arguments_without_a_collective() -> None:
+    plain = load_config(None, [])
+    diloco = load_config(None, ["train.diloco.every_steps=4", "train.eval_every=8"])
+    ft = FaultToleranceEnv("http://127.0.0.1:9", replica_group=1, bind="127.0.0.1")
+    assert type(build_sync(plain, DistContext())).__name__ == "EveryStep"
+    assert type(build_sync(diloco, DistContext())).__name__ == "DiLoCo"
+    in_place = build_sync(plain, DistContext(), ft)
+    assert type(in_place).__name__ == "InPlace" and in_place.event_fields() == {"replica_group": 1}
+    in_place.close()
 
 
 # ---- outer_dtype: what crosses the groups ---------------------------------------------------------

@@ -44,7 +44,7 @@ def test_a_group_that_loads_a_peers_state_mid_window_logs_the_whole_window(corpu
     reference.fit()
     joiner = make_trainer(corpus_dir, tmp_path / "joiner", RUN)
     assert kept.state is not None and kept.state["trainer"]["log_window"]["steps"] == 2  # steps 6 and 7
-    joiner.load_state_dict(kept.state)  # what InPlaceTrainer.load_live_state does in a heal
+    joiner.load_state_dict(kept.state)  # what the in-place sync's load_live_state does in a heal
     joiner.fit()
     want, got = records(tmp_path / "reference")[10][0], records(tmp_path / "joiner")[10][0]
     assert got["samples"] == want["samples"] == [[0, 5 * 8, 10 * 8]]  # steps 6..10, not only 8..10

@@ -102,11 +102,13 @@ GRAD_COMPRESSIONS = Registry(
 
 _SYNC = "ddptrain.train.sync"
 EVERY_STEP = "every_step"  # the synchronization of a run without train.diloco
+IN_PLACE = "in_place"  # the synchronization of a replica group in the in-place mode (ft_env.py)
 SYNCS = Registry(
     "the synchronization",
     "a synchronization",
     {
         EVERY_STEP: Kind(f"{_SYNC}.every_step:EveryStep", "every step reduces the gradients (DDP, FSDP; dist.grad_compression)"),
+        IN_PLACE: Kind(f"{_SYNC}.in_place:InPlace", "a replica group of the in-place mode (torchft): quorum, sum over the live groups, commit vote, heal; every step, or at DiLoCo's outer syncs"),
         "diloco": Kind(f"{_SYNC}.diloco:DiLoCo", "groups take train.diloco.every_steps inner steps, then an outer step on their mean pseudo-gradient"),
     },
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """The replica groups of an in-place fault-tolerant run, for `ddptrain report`: who failed, restarted, was evicted.
 
-In the in-place mode (train/in_place_trainer.py) the job is one attempt: the groups train on while one of
+In the in-place mode (train/sync/in_place.py) the job is one attempt: the groups train on while one of
 them fails and comes back. What happened to each group is told by records of several writers:
 
 * each group's start or resume record (`replica_group`, `restart_count`: the restarts of its launcher),

@@ -1,6 +1,6 @@
 """Quorum changes, heals and committed-step goodput of an in-place fault-tolerant run, for `ddptrain report`.
 
-The in-place mode (train/in_place_trainer.py) writes a `quorum` event on every change of the replica
+The in-place mode (train/sync/in_place.py) writes a `quorum` event on every change of the replica
 groups taking part ({"groups", "joined", "left", "world_size", "discarded_steps"}) and a `heal` event
 per state a joining group received ({"replica_group", "seconds", "bytes", "bytes_per_s", "verified"}).
 `membership_report` turns them into summary lines and membership.png (world size over the steps, joins,

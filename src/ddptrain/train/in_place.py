@@ -13,7 +13,8 @@ A group that stops answering is evicted from the step in flight (train/peer_watc
 
 The quorum is awaited from a thread of this session, so that the rank can leave the wait: a stop requested while
 the Lighthouse is gone (it lived in the launcher that was killed) raises QuorumAbandoned, and the group stops at
-its last committed step (InPlaceTrainer.stop_at_last_commit) instead of waiting out dist.ft_timeout_s.
+its last committed step (the in-place sync's stop_at_last_commit, train/sync/in_place.py) instead of waiting out
+dist.ft_timeout_s.
 """
 
 from __future__ import annotations
@@ -185,6 +186,23 @@ def _manager_server_bound(host: str) -> Iterator[None]:
             manager_module.ManagerServer = original
 
 
+def reach(env: FaultToleranceEnv, timeout_s: float) -> None:
+    """Before anything is written: LaunchError (exit 2, one line) when the Lighthouse does not answer a TCP
+    connection within timeout_s (dist.ft_timeout_s), or when torchft is not installed (UserError)."""
+    quiet_torchft()
+    try:
+        import torchft.manager  # noqa: F401
+    except ImportError:
+        raise UserError("in-place fault tolerance needs torchft: pip install 'ddptrain[ft]'") from None
+    host, port = host_port(LIGHTHOUSE_ENV, env.lighthouse.removeprefix("http://"))
+    why = probe_store(host, port, time.monotonic() + timeout_s, poll_s=0.2)
+    if why is not None:
+        raise LaunchError(
+            f"cannot reach the Lighthouse at {env.lighthouse} within {timeout_s:g} s "
+            f"({why}); start it with `ddptrain lighthouse --bind HOST:PORT` and pass that address"
+        )
+
+
 class InPlaceSession:
     """This rank's share of its replica group's torchft Manager. `start` (a collective in the group) makes it."""
 
@@ -213,22 +231,6 @@ class InPlaceSession:
         """The quorum thread works on this rank's device (a heal's tensors land there)."""
         if self.ctx.device.type == "cuda":
             torch.cuda.set_device(self.ctx.device)
-
-    def reach(self) -> None:
-        """Before anything is written: LaunchError (exit 2, one line) when the Lighthouse does not answer a TCP
-        connection within dist.ft_timeout_s, or when torchft is not installed (UserError)."""
-        quiet_torchft()
-        try:
-            import torchft.manager  # noqa: F401
-        except ImportError:
-            raise UserError("in-place fault tolerance needs torchft: pip install 'ddptrain[ft]'") from None
-        host, port = host_port(LIGHTHOUSE_ENV, self.env.lighthouse.removeprefix("http://"))
-        why = probe_store(host, port, time.monotonic() + self.timeout.total_seconds(), poll_s=0.2)
-        if why is not None:
-            raise LaunchError(
-                f"cannot reach the Lighthouse at {self.env.lighthouse} within {self.timeout.total_seconds():g} s "
-                f"({why}); start it with `ddptrain lighthouse --bind HOST:PORT` and pass that address"
-            )
 
     def start(self, step: int, state_fn: StateFn, load_fn: LoadFn, recipe: str) -> None:
         """All ranks of the group, once the run resumed at `step`: the group's store (rank 0 serves it on the bind
@@ -375,6 +377,11 @@ class InPlaceSession:
         """This step's failure in a short line ("" when none): plain_error() of its first line."""
         error = self.manager.errored()
         return plain_error((str(error).strip().splitlines() or [""])[0]) if error is not None else ""
+
+    def at_step(self, step: int) -> None:
+        """The step this group holds, as the next quorum compares it (a group behind the others heals): for the
+        quorums of outer syncs only, whose commits do not count training steps."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def heal_again(self) -> None:
         """Fall behind every other group, so that the next quorum heals this one again."""

@@ -15,8 +15,8 @@ next quorum, which the Lighthouse forms without the silent group, goes on. When 
 collectives may still complete against the survivors' abandoned ones (gloo cannot abort those without
 waiting for them), so each rank also watches itself: the watch thread ticks every POLL_S, and a step during
 which it missed SILENT_S of ticks (`frozen_s`: the process was stopped, as long as the others take to evict
-it) is discarded by the group itself (InPlaceTrainer.attempt); it then finds itself behind at its next
-quorum and heals, as any group that comes back does. A page that cannot be read or parsed evicts nobody
+it) is discarded by the group itself (the in-place sync's commit, train/sync/in_place.py); it then finds itself
+behind at its next quorum and heals, as any group that comes back does. A page that cannot be read or parsed evicts nobody
 (dist.ft_timeout_s still bounds the wait).
 
 A hang that leaves the heartbeat running (one rank of a several-rank group frozen while its rank 0 is not, a

@@ -66,7 +66,7 @@ def resume_or_start(
         f"training {cfg.run.name}: world size {ctx.world_size} ({ctx.backend or 'single process'}, {ctx.device}), "
         f"global batch {cfg.train.global_batch_size} = {cfg.data.micro_batch_size} x {ctx.world_size} x "
         f"{trainer.accum}, {n_params} parameters, run dir {cfg.run_dir}",
-        extra=trainer.console_extra(),
+        extra=trainer.sync.console_extra(),
     )
     warn_if_all_warm_up(cfg, trainer.step)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -80,7 +80,7 @@ def resume_or_start(
         grad_accum=trainer.accum,
         restart_count=restarts,
         host=ctx.hostname,
-        **trainer.event_fields(),
+        **trainer.sync.event_fields(),
     )
 
 

@@ -3,8 +3,10 @@
 fit()            loop: train_step -> log -> evaluate -> checkpoint, until max_steps (or an early stop, a hook's
                  stop: train/early_stop.py, train/hooks.py); the run's observers (watchdog, throughput,
                  certificate, stragglers, replica checks) hear the loop's events (`observers`, train/hooks.py)
-train_step()     accumulate micro-batches (all-reduce only on the last, over the sync's ranks), clip, step,
-                 then the sync's after_update (train/sync/: DiLoCo's outer step every H steps);
+train_step()     the one training step, whatever the sync (train/sync/): this rank's share of the global batch,
+                 micro-batches accumulated (all-reduce only on the last, over the sync's ranks), the sync's
+                 commit (the in-place mode's vote: a discarded attempt is tried again), clip, step, then the
+                 sync's after_update (DiLoCo's outer step every H steps);
                  no device-to-host sync unless the step is logged (`logs_at`)
 evaluate()       mean validation loss (and metrics of your own) over all ranks
 log_eval()       records an evaluation; train.early_stop judges it (train/early_stop.py)
@@ -31,7 +33,7 @@ from ddptrain.config import Config
 from ddptrain.data.collate import build_collate
 from ddptrain.data.kinds import data_source
 from ddptrain.data.mixture import SOURCE_VAL_LOSS, MixtureValidation
-from ddptrain.dist import DistContext, all_gather_object, all_reduce_mean
+from ddptrain.dist import DistContext
 from ddptrain.errors import LeaseLost, Preempted
 from ddptrain.models.loss import extract_loss, model_name, model_output, to_device
 from ddptrain.observe.metrics import MetricsWriter, Progress
@@ -50,7 +52,7 @@ from ddptrain.train.precision import NonFiniteSteps, Precision
 from ddptrain.train.preemption import HOOK_STOP, LEASE_LOST, NO_STOP, StopRequest
 from ddptrain.train.rng import load_rng_state, rng_state, seed_everything
 from ddptrain.train.schedules import PlannedSchedule, apply_lr, build_schedule, config_plan
-from ddptrain.train.sync import Sync, build_sync
+from ddptrain.train.sync import Share, Sync, build_sync
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class Trainer:
         sync: Sync | None = None,
     ) -> None:
         self.cfg, self.ctx, self.checkpointer = cfg, ctx, checkpointer
-        self.metrics, self.progress, self.val_set = metrics, progress, val_set
+        self.metrics, self.progress, self.train_set, self.val_set = metrics, progress, train_set, val_set
         self.ddp = model  # what the step calls: DDP (and torch.compile) around the user's module
         self.model = unwrap_model(model)
         self.model_name = model_name(self.model, cfg.model.target)
@@ -106,7 +108,6 @@ class Trainer:
         self.timer = StepTimer(ctx.device, ctx.is_distributed)
         self.timer.attach(self.ddp)  # stamps gradient buckets: backward compute vs all-reduce wait
         self.sync = sync if sync is not None else build_sync(cfg, ctx)
-        self.sync.attach(self.ddp, self.timer, self.model, self.optimizer)  # e.g. compresses the stamped buckets
         self.step = 0
         self.window = LogWindow(ctx.device)  # the steps since the last logged one (saved with the state)
         self.world_size = ctx.world_size  # the ranks that took part in the last step
@@ -114,7 +115,10 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.lease_lost_to: str | None = None  # a save rank 0 refused to commit: who took the folder's lease
         self.stopped_because: str | None = None  # an early stop or a hook's: why the run ended before max_steps
+        self.stop_request: StopRequest | None = None  # fit()'s
+        self.resumed_from: VerifiedCheckpoint | None = None
         self._batches: Iterator[Any] | None = None
+        self.sync.attach(self)  # e.g. compresses the buckets the timer stamps
 
     def setup(self) -> None:
         """All ranks, in the run's set-up: the stop agreement's group (a collective only next to NCCL)."""
@@ -125,16 +129,12 @@ class Trainer:
         self.sync.begin()
 
     def close(self) -> None:
-        """Release what the trainer holds beyond the run's parts: nothing here (the in-place mode: its Manager)."""
-
-    def event_fields(self) -> dict[str, Any]:
-        """What the start and end records of this process say about who wrote them: nothing more here (the
-        in-place mode: its replica group)."""
-        return {}
+        """Release what the trainer holds beyond the run's parts: the sync's (the in-place mode: its Manager)."""
+        self.sync.close()
 
     def record_end(self, record: dict[str, Any]) -> None:
-        """Write how this attempt ends (observe/endings.py's end record) into metrics.jsonl."""
-        self.metrics.write("event", **record, **self.event_fields())
+        """Write how this attempt ends (observe/endings.py's end record) into metrics.jsonl, as the sync's own."""
+        self.sync.record_own(record)
 
     def logs_at(self, step: int) -> bool:
         """Whether step `step` is logged: the steps that read from the device (loss, norm, skipped count)."""
@@ -152,24 +152,49 @@ class Trainer:
         return to_device(next(self._batches), self.ctx.device)
 
     def train_step(self) -> StepResult:
-        """One optimizer step over `accum` micro-batches of this rank.
+        """One optimizer step over this rank's share of the global batch (the sync's: `accum` micro-batches
+        of the sampler's, or those the in-place mode's quorum gives it).
 
         Nothing here waits for the device: the norm stays a tensor and a non-finite step is skipped
         by the optimizer on the device. On logged steps only, train.on_nonfinite=stop reads the
         non-finite counter and raises before this step's update.
         """
         t0 = time.perf_counter()
-        self.timer.start()
-        batches = [self.next_batch() for _ in range(self.accum)]
-        self.timer.lap("data")
-        # batches with labels: the step's mean over the target tokens of the ranks that average their gradients
-        weights = micro_batch_weights(batches, self.sync.step_ctx)
-        loss_sum = self.forward_backward(batches, [1 / self.accum] * self.accum if weights is None else weights)
+        while True:  # until the sync commits an attempt: a discarded one changes nothing (no update, same data)
+            share = self.sync.begin_step()
+            self.timer.start()
+            batches = self.batches_of(share)
+            self.timer.lap("data")
+            loss = self.sync.commit(self.forward_backward(batches, self.loss_weights(batches, share)))
+            if loss is not None:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
         self.sampler.advance()
         norm, skipped = self.apply_update()
         self.step += 1
         self.sync.after_update(self.step)
-        return StepResult(loss_sum, norm, skipped, time.perf_counter() - t0)
+        return StepResult(loss, norm, skipped, time.perf_counter() - t0)
+
+    def batches_of(self, share: Share) -> list[Any]:
+        """This rank's micro-batches of the next global batch: the loader's next `accum`, or the share's span
+        read by sample id (the same ids whichever rank takes them: a map-style dataset)."""
+        if share.span is None:
+            return [self.next_batch() for _ in range(self.accum)]
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        (lo, hi), micro, start = share.span, self.cfg.data.micro_batch_size, self.sampler.position
+        ids = self.sampler.ids(self.sampler.epoch, start + lo * micro, start + hi * micro).tolist()
+        chunks = [ids[i : i + micro] for i in range(0, len(ids), micro)]
+        # a map-style dataset: the sync that reads by id refused any other (check_in_place_data)
+        return [to_device(self.collate([self.train_set[i] for i in chunk]), self.ctx.device) for chunk in chunks]
+
+    def loss_weights(self, batches: list[Any], share: Share) -> Sequence[float | torch.Tensor] | torch.Tensor:
+        """Each micro-batch's loss weight: the share's, or 1 / accum; batches with labels: the step's mean over the
+        target tokens of the ranks that average their gradients."""
+        if share.weight is not None:
+            return [share.weight] * len(batches)
+        weights = micro_batch_weights(batches, self.sync.step_ctx)
+        return [1 / self.accum] * self.accum if weights is None else weights
 
     def forward_backward(
         self, batches: list[Any], weights: Sequence[float | torch.Tensor] | torch.Tensor
@@ -182,7 +207,8 @@ class Trainer:
             # Gradients of the first micro-batches accumulate locally: no_sync() (DDP) or FSDP2's
             # gradient sync switch skips their all-reduce/reduce-scatter; the last backward reduces the sum once.
             last = micro == len(batches) - 1
-            self.sync_gradients(last)
+            set_gradient_sync(self.ddp, last)
+            self.sync.before_backward(last)  # e.g. the in-place mode's sum over the groups starts in the last
             sync = nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
             with sync, self.precision.autocast():
                 output = model_output(self.ddp, batch)
@@ -193,10 +219,6 @@ class Trainer:
             self.timer.lap("backward")
             loss_sum += loss.detach()
         return loss_sum
-
-    def sync_gradients(self, last: bool) -> None:
-        """Whether the next backward reduces the gradients over the ranks (the step's last) or accumulates them."""
-        set_gradient_sync(self.ddp, last)
 
     def apply_update(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, step the optimizer (unless the gradient is non-finite) and the schedule: (grad norm, skipped)."""
@@ -252,7 +274,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "world_size": self.ctx.world_size,
                 "early_stop": self.early_stop.state_dict() if self.early_stop is not None else None,
-                "log_window": self.window.state_dict(self.per_rank),
+                "log_window": self.window.state_dict(self.sync.per_rank),
             },
         }
 
@@ -277,7 +299,10 @@ class Trainer:
         self._batches = None
 
     def save_checkpoint(self) -> None:
-        """All ranks: save the current step (each rank writes its share of the state, and its own RNG)."""
+        """All ranks: save the current step (each rank writes its share of the state, and its own RNG); nothing
+        where the sync writes nothing (the in-place mode's groups but one)."""
+        if not self.sync.writes():
+            return
         local: dict[str, Any] = {"rng": rng_state()}
         shared = self.state_dict()
         self.sync.checkpoint(shared, local)  # e.g. PowerSGD's error feedback: every rank's own
@@ -291,6 +316,7 @@ class Trainer:
         under DDP) in place, its format reading the slices each rank needs, whatever world size saved it.
         """
         shared, local = self.checkpointer.restore(ckpt, self.model, self.optimizer)
+        self.resumed_from = ckpt
         self.load_state_dict(self.sync.restore(shared, local))
         if local is not None:
             load_rng_state(local["rng"])
@@ -309,7 +335,7 @@ class Trainer:
         stop travels the same way; it and train.early_stop end the loop normally, with `stopped_because` set.
         timeline: a restart's marks; the first step completes it (the `recovery` event).
         """
-        cfg = self.cfg
+        cfg, self.stop_request = self.cfg, stop_request
         if isinstance(self.scheduler, PlannedSchedule):
             at_floor = self.scheduler.follow(config_plan(cfg))  # e.g. a larger train.max_steps: no LR jump
             if at_floor is not None:
@@ -378,8 +404,11 @@ class Trainer:
 
     def finish_saves(self) -> None:
         """All ranks: wait for the last save; retry it once if it failed; the state at this step is committed or
-        CheckpointSaveError says which step is the newest safe one (the checkpoint policy decides)."""
+        CheckpointSaveError says which step is the newest safe one (the checkpoint policy decides). A process that
+        writes nothing (sync.writes) only waits for its checkpointer."""
         self.checkpointer.wait()
+        if not self.sync.writes():
+            return
         self.report_saves()
         if self.lease_lost_to is not None:  # every rank holds the same results now
             raise LeaseLost(str(self.cfg.run_dir), self.step, self.lease_lost_to)
@@ -390,17 +419,14 @@ class Trainer:
             self.report_saves()
         self.checkpointer.policy.require_final(self.step)
 
-    def console_extra(self) -> dict[str, bool] | None:
-        """The logging `extra` of a line the job shows once on its console (start, val_loss, done): None, as
-        rank 0 alone prints; the in-place mode's groups each have a rank 0, and only one of them shows it."""
-        return None
-
     def log_train(self, mean_loss: torch.Tensor, steps: int, seconds: float, grad_norm: torch.Tensor) -> None:
         """All ranks: average the window's loss over ranks; the observers see the record, rank 0 writes and shows it
-        (the step's host reads)."""
-        loss = self.mean_over_ranks(mean_loss)
+        (the step's host reads). A process whose sync writes nothing keeps the loss only."""
+        loss = self.sync.mean_over_ranks(mean_loss)
         skipped = self.nonfinite.take().count
         self.last_loss = loss
+        if not self.sync.writes():
+            return
         record: dict[str, Any] = {
             "step": self.step,
             "epoch": self.sampler.epoch,
@@ -433,14 +459,6 @@ class Trainer:
         }
         self.progress.update(self.step, shown)
 
-    def mean_over_ranks(self, value: torch.Tensor) -> float:
-        """The mean of a rank's logged value over the ranks of the step (a host read: logged steps only)."""
-        return float(all_reduce_mean(self.ctx, value))
-
-    def per_rank(self, value: torch.Tensor) -> list[float]:
-        """Every rank's value of a scalar, in rank order (a collective: every rank calls it)."""
-        return [float(v) for v in all_gather_object(self.ctx, float(value))]
-
     def log_eval(self, verdict: Verdict) -> Verdict:
         """All ranks evaluate; rank 0 records val_loss and val_<name>; the hooks see the record and
         train.early_stop judges it (a new best is saved and marked). verdict: this step's so far."""
@@ -453,7 +471,7 @@ class Trainer:
         merge_metrics(record, {f"val_{k}": v for k, v in result.metrics.items()}, self.custom.origin)
         self.metrics.write("eval", **record)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step")
-        log.info("step %6d  %s", self.step, shown, extra=self.console_extra())
+        log.info("step %6d  %s", self.step, shown, extra=self.sync.console_extra())
         self.hooks.call("on_eval", record)
         if self.early_stop is None:
             return verdict

@@ -46,7 +46,8 @@ from ddptrain.config import Config
 from ddptrain.config.train import DiLoCoConfig, outer_payload_bytes
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
-from ddptrain.observe.perf import StepTimer
+from ddptrain.ft_env import FaultToleranceEnv
+from ddptrain.train.sync.base import Loop
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import split_fragments, sync_plan
 from ddptrain.train.sync.outer_dtype import Exchange, start
@@ -104,8 +105,8 @@ class DiLoCo(EveryStep):
     """DDP inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across the groups
     every train.diloco.every_steps steps; see the module docstring."""
 
-    def __init__(self, cfg: Config, ctx: DistContext) -> None:
-        super().__init__(cfg, ctx)
+    def __init__(self, cfg: Config, ctx: DistContext, ft: FaultToleranceEnv | None = None) -> None:
+        super().__init__(cfg, ctx, ft)
         assert cfg.train.diloco is not None  # Config.sync_kind picks DiLoCo only then
         self.diloco = cfg.train.diloco
         self.groups = self.diloco.group_count(ctx.world_size, ctx.local_world_size)
@@ -155,10 +156,10 @@ class DiLoCo(EveryStep):
             )
         return super().wrap(model)
 
-    def attach(self, ddp: nn.Module, timer: StepTimer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, loop: Loop) -> None:
         """The group's compression (fp16), and the global weights with their outer optimizer (no collective)."""
-        super().attach(ddp, timer, model, optimizer)
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        super().attach(loop)
+        trainable = [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.local_params = [p for _, p in trainable]
         self.global_params = [p.detach().clone() for p in self.local_params]

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn as nn
-
 from ddptrain.checkpoint.formats.base import COMPRESSION_STATE
 from ddptrain.errors import CheckpointError
-from ddptrain.observe.perf import StepTimer
 from ddptrain.train.compression import Compression
 from ddptrain.train.compression import attach as attach_compression
-from ddptrain.train.sync.base import Sync
+from ddptrain.train.sync.base import Loop, Sync
 
 
 class EveryStep(Sync):
@@ -22,9 +18,10 @@ class EveryStep(Sync):
 
     compression: Compression | None = None
 
-    def attach(self, ddp: nn.Module, timer: StepTimer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, loop: Loop) -> None:
         """dist.grad_compression's hook, sent through the step timer's (which the Trainer attached first)."""
-        self.compression = attach_compression(self.cfg.dist, ddp, timer)
+        super().attach(loop)
+        self.compression = attach_compression(self.cfg.dist, loop.ddp, loop.timer)
 
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
         """PowerSGD continues from this rank's saved state (or starts fresh, said in a warning); shared as it is.
