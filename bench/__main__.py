@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for <date>.json and .md")
     p.add_argument("--fault-every", type=float, default=30.0, help="goodput: seconds between kills (default 30)")
     p.add_argument("--fault-for", type=float, default=300.0, help="goodput: seconds of the schedule (default 300)")
+    p.add_argument("--warmup", type=int, help="warm-up rounds per figure, not measured (default 1; smoke 0)")
+    p.add_argument("--steps", type=int, help="slow_links: steps per job (default 100)")
+    p.add_argument("--rate", help="slow_links: the link rate, as tc tbf takes it (default 50mbit)")
+    p.add_argument("--modes", help="slow_links: comma-separated modes to run (default all)")
     p.add_argument("--work-dir", type=Path, help="scratch folder (default runs/bench; smoke: OUT/work)")
     args = p.parse_args(argv)
     names = FIGURES if "all" in args.figures else list(dict.fromkeys(args.figures))
@@ -112,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(
         smoke=args.smoke,
         rounds=args.rounds or (1 if args.smoke else 5),
-        warmup=0 if args.smoke else 1,
+        warmup=0 if args.smoke else 1 if args.warmup is None else args.warmup,
         work_dir=work.resolve(),
         data_dir=(work / "data").resolve() if args.smoke else REPO / "data" / "stdlib",
         fault_every_s=args.fault_every,
         fault_for_s=args.fault_for,
+        steps=args.steps,
+        rate=args.rate,
+        modes=tuple(m.strip() for m in args.modes.split(",")) if args.modes else (),
     )
     fix_threads(1)
     _corpus(opts)

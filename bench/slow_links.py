@@ -27,7 +27,7 @@ from bench.ft_jobs import RestartJob, read_jsonl
 
 GPT_3M = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=64"]
 GPT_TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
-STEPS = 100  # a multiple of every DiLoCo H below: the last step evaluates at an outer sync
+STEPS = 100  # a multiple of every DiLoCo H below (--steps: keep it one): the last step evaluates at an outer sync
 WARM_STEPS = 4  # the first steps build DDP's buckets; PowerSGD compresses from step 3 on: not measured
 MODES = {
     "sync fp32": [],
@@ -50,6 +50,13 @@ MODES = {
         "train.diloco.outer_dtype=int8",
         "train.diloco.delay_steps=1",
     ],
+    "DiLoCo H=100": ["train.diloco.every_steps=100"],
+    "streaming H=100 P=4 tau=1 int8": [
+        "train.diloco.every_steps=100",
+        "train.diloco.fragments=4",
+        "train.diloco.outer_dtype=int8",
+        "train.diloco.delay_steps=1",
+    ],
 }
 SMOKE_MODES = {
     "sync fp32": [],
@@ -61,8 +68,15 @@ SMOKE_MODES = {
         "train.diloco.delay_steps=1",
     ],
 }
-FP32_DILOCO = {"DiLoCo H=50", "DiLoCo H=2"}  # one sync: every trainable parameter in fp32, fp32 DDP's bytes per step
-STREAMED = {"streaming H=50 P=4 tau=1 int8"}  # issue 37's targets: >= 400x fewer bytes, <= 5% blocked
+FP32_DILOCO = {
+    "DiLoCo H=50",
+    "DiLoCo H=100",
+    "DiLoCo H=2",
+}  # one sync: every trainable parameter in fp32, fp32 DDP's bytes per step
+STREAMED = {
+    "streaming H=50 P=4 tau=1 int8",
+    "streaming H=100 P=4 tau=1 int8",
+}  # issue 37's targets: >= 400x fewer bytes, <= 5% blocked
 UNLIMITED = "sync fp32, unlimited link"
 RATE = "50mbit"
 HOSTS = 2
@@ -70,7 +84,7 @@ HOSTS = 2
 
 def job_args(opts: Options) -> list[str]:
     """The training job every mode runs (modes add their own settings)."""
-    steps = 6 if opts.smoke else STEPS
+    steps = 6 if opts.smoke else opts.steps or STEPS
     return [
         f"data.dir={opts.data_dir}",
         *(GPT_TINY if opts.smoke else GPT_3M),
@@ -139,11 +153,11 @@ def job_figures(records: list[dict[str, Any]], warm: int) -> dict[str, Any]:
     }
 
 
-def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool) -> list[Row]:
-    figure = f"slow links ({HOSTS} hosts, {'no limit: smoke' if smoke else RATE})"
+def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool, rate: str) -> list[Row]:
+    figure = f"slow links ({HOSTS} hosts, {'no limit: smoke' if smoke else rate})"
     free = summary([r["samples_per_s"] for r in results[UNLIMITED]])["median"]
     sync_loss = results[UNLIMITED][0]["val_loss"]  # every synchronous mode computes the same losses
-    ddp_bytes = next(runs[0]["outer_sync_bytes"] for name, runs in results.items() if name in FP32_DILOCO)
+    ddp_bytes = next((runs[0]["outer_sync_bytes"] for name, runs in results.items() if name in FP32_DILOCO), 0)
     rows = [Row(figure, f"{UNLIMITED}: samples/s", summary([r["samples_per_s"] for r in results[UNLIMITED]]),
                 "samples/s", note=f"val loss {sync_loss:.4f}")]  # fmt: skip
     for name, runs in results.items():
@@ -158,7 +172,7 @@ def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool) -> list[Row]:
         rows.append(Row(figure, f"{name}: samples/s", summary([r["samples_per_s"] for r in runs]), "samples/s"))
         rows.append(Row(figure, f"{name}: vs unlimited sync", ratio, "x", target=">= 0.9" if h50 else "",
                         met=ratio["median"] >= 0.9 if h50 else None, note=note))  # fmt: skip
-        if runs[0]["outer_syncs"]:
+        if runs[0]["outer_syncs"] and ddp_bytes:  # with an fp32 DiLoCo mode run beside: its sync is fp32 DDP's step
             rows.extend(_link_rows(figure, name, runs, ddp_bytes))
     return rows
 
@@ -182,8 +196,13 @@ def _link_rows(figure: str, name: str, runs: list[dict[str, Any]], ddp_bytes: fl
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """Rows: each mode's samples/s on the limited link, its ratio to the unlimited-link synchronous rate and its
     validation loss against synchronous DDP's; data: every job's figures."""
-    modes = SMOKE_MODES if opts.smoke else MODES
-    variants = {UNLIMITED: ([], None), **{m: (extra, None if opts.smoke else RATE) for m, extra in modes.items()}}
+    unknown = [m for m in opts.modes if m not in MODES]
+    if unknown:
+        print(f"python -m bench slow_links: no mode {unknown[0]!r}: pick from {', '.join(MODES)}", file=sys.stderr)
+        raise SystemExit(2)
+    modes = SMOKE_MODES if opts.smoke else {m: MODES[m] for m in opts.modes or MODES}
+    rate = opts.rate or RATE
+    variants = {UNLIMITED: ([], None), **{m: (extra, None if opts.smoke else rate) for m, extra in modes.items()}}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     folder = opts.work_dir / "slow_links"
     for r in range(1 if opts.smoke else opts.warmup + opts.rounds):
@@ -191,7 +210,10 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             extra, rate = variants[name]
             print(f"slow_links: round {r}: {name} ...", file=sys.stderr, flush=True)
             slug = name.replace(" ", "_").replace("=", "").replace(",", "")
-            result = run_job(folder / slug, [*job_args(opts), *extra], rate, 0 if opts.smoke else WARM_STEPS, 900)
+            timeout_s = max(
+                900, 2 * (opts.steps or STEPS)
+            )  # the synchronous fp32 job on the limited link: ~2.3 s a step
+            result = run_job(folder / slug, [*job_args(opts), *extra], rate, 0 if opts.smoke else WARM_STEPS, timeout_s)
             if opts.smoke or r >= opts.warmup:
                 results[name].append(result)
-    return _rows(results, opts.smoke), {"results": results, "rate": RATE, "hosts": HOSTS}
+    return _rows(results, opts.smoke, rate), {"results": results, "rate": rate, "hosts": HOSTS}
