@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
-# Two pytest workers: most tests wait on child processes, sockets and timeouts rather than the CPU,
-# so two share 2 cores well (each cluster test file stays on one worker, in order: tests/conftest.py).
+# Two pytest workers, one per core of the 2-core CI machines: counting every process a test starts, the
+# suite keeps both cores busy (the SLURM test files stay on one worker, in order: tests/conftest.py).
 TEST_WORKERS ?= 2
 
 # `make test` asserts behaviour, never a timing: the measurements (marker `measure`: the straggler

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from helpers import start_ddptrain, use_zygote
+try:  # the tests' zygote (tests/zygote.py); bench/ft_jobs.py uses these hosts without it (tests/ not on its path)
+    from helpers import start_ddptrain, use_zygote
+except ImportError:
+    start_ddptrain = None
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -75,7 +78,7 @@ class Node:
         namespace itself: a subprocess.Popen or the zygote's process with the same interface."""
         out = open(log, "ab")
         self._logs.append(out)
-        if argv[:3] == [sys.executable, "-m", "ddptrain"] and use_zygote():
+        if start_ddptrain is not None and argv[:3] == [sys.executable, "-m", "ddptrain"] and use_zygote():
             proc = start_ddptrain(
                 argv[3:],
                 env=env,
