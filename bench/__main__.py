@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, help="warm-up rounds per figure, not measured (default 1; smoke 0)")
     p.add_argument("--steps", type=int, help="slow_links: steps per job (default 100)")
     p.add_argument("--rate", help="slow_links: the link rate, as tc tbf takes it (default 50mbit)")
-    p.add_argument("--modes", help="slow_links: comma-separated modes to run (default all)")
+    p.add_argument("--modes", help="slow_links, goodput: comma-separated modes to run (default all)")
     p.add_argument("--work-dir", type=Path, help="scratch folder (default runs/bench; smoke: OUT/work)")
     args = p.parse_args(argv)
     names = FIGURES if "all" in args.figures else list(dict.fromkeys(args.figures))

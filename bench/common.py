@@ -53,7 +53,7 @@ class Options:
     fault_for_s: float = 300.0  # ... for this long
     steps: int | None = None  # slow_links: steps per job (default its STEPS)
     rate: str | None = None  # slow_links: the hosts' link rate (default its RATE)
-    modes: tuple[str, ...] = ()  # slow_links: the modes to run beside the unlimited-link reference (default all)
+    modes: tuple[str, ...] = ()  # slow_links, goodput: the modes to run (default all)
 
     def order(self, names: Sequence[str], r: int) -> list[str]:
         """Variant order of round r: A B C, then C B A, then A B C ..."""
