@@ -409,24 +409,27 @@ def test_a_sigkilled_launcher_stops_its_groups_at_the_last_commit_with_a_checkpo
 
 
 @pytest.mark.timeout(200)
-def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_outer_sync(
+def test_diloco_groups_lose_one_mid_sync_and_one_mid_interval_and_its_replacement_heals_at_an_outer_sync(
     lighthouse: str, tmp_path: Path
 ) -> None:
     """train.diloco in the in-place mode: the replica groups are the DiLoCo groups, meeting at outer syncs only.
+    Group 2 dies inside the first outer sync it contributes to (the fault drill: after the round's head is summed,
+    before the pseudo-gradients): the others' sum fails, they discard the round and commit it again without it.
     Group 1 is killed mid-interval; group 0 syncs alone at the next outer sync (its steps go on, none repeated);
     the replacement resumes from the durable checkpoint, heals at a later outer sync (the global weights and outer
     optimizer, its local weights reset to them) and trains to the end."""
     run_dir = tmp_path / "run"
     diloco = ["train.diloco.every_steps=3", "ckpt.every_steps=6", "model.kwargs.step_sleep=0.1"]
     argv = [sys.executable, "-m", "ddptrain", "train", *TOY, *diloco, f"run.dir={run_dir}"]
-    logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(3)]  # group2.log: group 1's replacement
+    logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(4)]  # group3.log: group 1's replacement
     gate = tmp_path / "replace-now"  # the replacement's imports are done before group 1 dies: it restarts at once
     replacement = [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]]
-    groups = [
-        subprocess.Popen(argv, env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT) for g in (0, 1)
-    ]
-    groups.append(subprocess.Popen(replacement, env=ft_env(1, lighthouse), stdout=logs[2], stderr=subprocess.STDOUT))
+    envs = [ft_env(0, lighthouse), ft_env(1, lighthouse), ft_env(2, lighthouse, DDPTRAIN_FT_INJECT="die_in_outer_sync")]
+    groups = [subprocess.Popen(argv, env=env, stdout=logs[g], stderr=subprocess.STDOUT) for g, env in enumerate(envs)]
+    groups.append(subprocess.Popen(replacement, env=ft_env(1, lighthouse), stdout=logs[3], stderr=subprocess.STDOUT))
     try:
+        assert groups[2].wait(timeout=90) == -signal.SIGKILL, (tmp_path / "group2.log").read_text()[-3000:]
+        died_at = time.time()
         deadline = time.monotonic() + 90
         while not any(r.get("step", 0) >= 7 and r["step"] % 3 == 1 for r in records(run_dir) if r["kind"] == "train"):
             said = (tmp_path / "group1.log").read_text()[-3000:]
@@ -440,7 +443,7 @@ def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_out
             time.sleep(0.02)
         gate.touch()  # once group 0 synced alone (group 1's heartbeat timed out): the replacement comes back
         assert groups[0].wait(timeout=120) == 0, (tmp_path / "group0.log").read_text()[-3000:]
-        assert groups[2].wait(timeout=60) == 0, (tmp_path / "group2.log").read_text()[-3000:]
+        assert groups[3].wait(timeout=60) == 0, (tmp_path / "group3.log").read_text()[-3000:]
     finally:
         for proc in groups:
             proc.kill()
@@ -448,11 +451,18 @@ def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_out
             f.close()
     trained = [r for r in records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in trained] == list(range(1, 41))  # every step once: group 0 wrote them all
-    assert trained[-1]["outer_syncs"] == 14  # steps 3, 6, ..., 39 and the last: each with at least one group
+    assert trained[-1]["outer_syncs"] == 14  # steps 3, 6, ..., 39 and the last: each once, with at least one group
     events = [r for r in records(run_dir) if r["kind"] == "event"]
     quorums = [(e["groups"], e["step"]) for e in events if e.get("event") == "quorum"]
     # Membership moves at outer syncs only (a group that starts first may train the first interval alone).
     assert all(step % 3 == 1 or step == 41 for _, step in quorums), quorums  # 41: the last step's sync
+    # Group 2 died inside an outer sync: the round it was in was discarded, then committed by the groups left.
+    [after_drill] = [e for e in events if e.get("event") == "quorum" and e["left"] == [2]]
+    assert after_drill["groups"] == [0, 1] and after_drill["discarded_steps"] >= 1, after_drill
+    assert after_drill["time"] > died_at - 1 and after_drill["step"] < 8, after_drill
+    said = (tmp_path / "group0.log").read_text()
+    assert f"outer sync at step {after_drill['step'] - 1} discarded" in said, said[-3000:]
+    assert "this group dies in an outer sync" in (tmp_path / "group2.log").read_text()
     together = [g for g, _ in quorums]
     lost = together.index([0], together.index([0, 1]))  # group 1 left: group 0 synced alone ...
     assert [0, 1] in together[lost:], quorums  # ... until the replacement joined
