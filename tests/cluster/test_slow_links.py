@@ -47,30 +47,22 @@ def cluster() -> Iterator[Cluster]:
         c.close()
 
 
-def descendants(pid: int) -> list[int]:
-    """pid's child processes, theirs, and so on."""
+def children(pid: int) -> list[int]:
+    """pid's child processes."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            children = (task / "children").read_text().split()
+            found += map(int, (task / "children").read_text().split())
         except OSError:
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
+            pass
     return found
 
 
 def workers(job: Job, node: Node) -> list[int]:
-    """The job's worker pids on a node: its launcher's descendants but the multiprocessing helpers (the fork server,
-    the resource tracker). Two jobs share the namespace, so its pids are not enough."""
-    pids = []
-    for pid in descendants(job.procs[node.hostname].pid):
-        try:
-            if b"multiprocessing." not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-        except OSError:
-            pass
-    return pids
+    """The job's worker pids on a node: the children of its launcher's children (the launcher's own are its
+    preloaded fork server, which the workers are forked from, and the resource tracker). Two jobs share the
+    namespace, so its pids are not enough; the fork server is spared, as a worker's death spares it."""
+    return [worker for helper in children(job.procs[node.hostname].pid) for worker in children(helper)]
 
 
 def kill_after_checkpoint(kills: dict[str, tuple[Job, Node]], step: int, timeout: float = 150) -> None:
