@@ -19,9 +19,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # http://HOST:PORT of the Lighthouse (tor
 REPLICA_GROUP_ENV = "DDPTRAIN_REPLICA_GROUP"  # this group's id: a small integer, distinct per group
 BIND_ENV = "DDPTRAIN_BIND_ADDR"  # the address this node's servers bind (the node's address or loopback)
 # Fault drills (docs/multinode.md): "corrupt_send" flips a byte of the first state this group sends to a joining
-# group, after its digest; "die_in_send" SIGKILLs this group's process when it is first asked to send one.
+# group, after its digest; "die_in_send" SIGKILLs this group's process when it is first asked to send one;
+# "die_in_outer_sync" (train.diloco) SIGKILLs it in the first outer sync it contributes to, once every group is in.
 INJECT_ENV = "DDPTRAIN_FT_INJECT"
-INJECTIONS = ("corrupt_send", "die_in_send")
+INJECTIONS = ("corrupt_send", "die_in_send", "die_in_outer_sync")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -409,38 +409,53 @@ def test_a_sigkilled_launcher_stops_its_groups_at_the_last_commit_with_a_checkpo
 
 
 @pytest.mark.timeout(200)
-def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_outer_sync(
+def test_diloco_groups_lose_one_mid_sync_and_one_mid_interval_and_its_replacement_heals_at_an_outer_sync(
     lighthouse: str, tmp_path: Path
 ) -> None:
     """train.diloco in the in-place mode: the replica groups are the DiLoCo groups, meeting at outer syncs only.
-    Group 1 is killed mid-interval; group 0 syncs alone at the next outer sync (its steps go on, none repeated);
-    the replacement resumes from the durable checkpoint, heals at a later outer sync (the global weights and outer
+    Group 2 joins groups 0 and 1 once they train together (so it never writes the folder), heals at an outer sync
+    and dies inside the next, the first it contributes to (the fault drill: after the round's head is summed, before
+    the pseudo-gradients): the others' sum fails, they discard the round and commit it again without it. Group 1 is
+    then killed mid-interval; group 0 syncs alone at the next outer sync (its steps go on, none repeated); the
+    replacement resumes from the durable checkpoint, heals at a later outer sync (the global weights and outer
     optimizer, its local weights reset to them) and trains to the end."""
     run_dir = tmp_path / "run"
     diloco = ["train.diloco.every_steps=3", "ckpt.every_steps=6", "model.kwargs.step_sleep=0.1"]
     argv = [sys.executable, "-m", "ddptrain", "train", *TOY, *diloco, f"run.dir={run_dir}"]
-    logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(3)]  # group2.log: group 1's replacement
-    gate = tmp_path / "replace-now"  # the replacement's imports are done before group 1 dies: it restarts at once
-    replacement = [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]]
-    groups = [
-        subprocess.Popen(argv, env=ft_env(g, lighthouse), stdout=logs[g], stderr=subprocess.STDOUT) for g in (0, 1)
-    ]
-    groups.append(subprocess.Popen(replacement, env=ft_env(1, lighthouse), stdout=logs[2], stderr=subprocess.STDOUT))
+    logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(4)]  # group3.log: group 1's replacement
+    # Groups 2 and 1's replacement have their imports done before their gate opens: they start at once.
+    join, replace = tmp_path / "join-now", tmp_path / "replace-now"
+    held = [([sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]], gate) for gate in (join, replace)]
+    envs = [ft_env(0, lighthouse), ft_env(1, lighthouse)]
+    envs += [ft_env(2, lighthouse, DDPTRAIN_FT_INJECT="die_in_outer_sync"), ft_env(1, lighthouse)]
+    commands = [argv, argv, held[0][0], held[1][0]]
+    groups = [subprocess.Popen(c, env=e, stdout=f, stderr=subprocess.STDOUT) for c, e, f in zip(commands, envs, logs)]
+
+    def trained_since(t: float, **fields: int) -> list[dict[str, Any]]:
+        return [r for r in records(run_dir) if r["kind"] == "train" and r["time"] > t and fields.items() <= r.items()]
+
+    def wait_until(found: Callable[[], Any], log: int) -> Any:
+        while not (seen := found()):
+            said = (tmp_path / f"group{log}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and groups[log].poll() is None, said
+            time.sleep(0.02)
+        return seen
+
     try:
         deadline = time.monotonic() + 90
-        while not any(r.get("step", 0) >= 7 and r["step"] % 3 == 1 for r in records(run_dir) if r["kind"] == "train"):
-            said = (tmp_path / "group1.log").read_text()[-3000:]
-            assert time.monotonic() < deadline and groups[1].poll() is None, said
-            time.sleep(0.02)
+        wait_until(lambda: trained_since(0, world_size=2), 0)
+        join.touch()  # groups 0 and 1 train together: group 2 joins (it will never be the lowest, writing group)
+        assert groups[2].wait(timeout=90) == -signal.SIGKILL, (tmp_path / "group2.log").read_text()[-3000:]
+        died_at = time.time()
+        first = wait_until(lambda: [r for r in trained_since(died_at) if r["step"] % 3 == 1], 1)[0]["step"]
         groups[1].kill()  # after the writer's first step of an interval: group 1 is inside the same interval
         groups[1].wait(timeout=10)
         killed_at = time.time()
-        while not any(r.get("event") == "quorum" and r["groups"] == [0] and r["step"] > 7 for r in records(run_dir)):
-            assert time.monotonic() < deadline, (tmp_path / "group0.log").read_text()[-3000:]
-            time.sleep(0.02)
-        gate.touch()  # once group 0 synced alone (group 1's heartbeat timed out): the replacement comes back
+        alone = [0]
+        wait_until(lambda: [r for r in records(run_dir) if r.get("groups") == alone and r["step"] > first], 0)
+        replace.touch()  # once group 0 synced alone (group 1's heartbeat timed out): the replacement comes back
         assert groups[0].wait(timeout=120) == 0, (tmp_path / "group0.log").read_text()[-3000:]
-        assert groups[2].wait(timeout=60) == 0, (tmp_path / "group2.log").read_text()[-3000:]
+        assert groups[3].wait(timeout=60) == 0, (tmp_path / "group3.log").read_text()[-3000:]
     finally:
         for proc in groups:
             proc.kill()
@@ -448,11 +463,19 @@ def test_diloco_groups_lose_one_mid_interval_and_its_replacement_heals_at_an_out
             f.close()
     trained = [r for r in records(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in trained] == list(range(1, 41))  # every step once: group 0 wrote them all
-    assert trained[-1]["outer_syncs"] == 14  # steps 3, 6, ..., 39 and the last: each with at least one group
+    assert trained[-1]["outer_syncs"] == 14  # steps 3, 6, ..., 39 and the last: each once, with at least one group
     events = [r for r in records(run_dir) if r["kind"] == "event"]
     quorums = [(e["groups"], e["step"]) for e in events if e.get("event") == "quorum"]
     # Membership moves at outer syncs only (a group that starts first may train the first interval alone).
     assert all(step % 3 == 1 or step == 41 for _, step in quorums), quorums  # 41: the last step's sync
+    # Group 2 died inside an outer sync: the round it was in was discarded, then committed by the groups left.
+    [after_drill] = [e for e in events if e.get("event") == "quorum" and e["left"] == [2]]
+    assert after_drill["groups"] == [0, 1] and after_drill["discarded_steps"] >= 1, after_drill
+    assert died_at - 1 < after_drill["time"] < killed_at, after_drill  # before group 1 was killed: none but 2 left
+    said = (tmp_path / "group0.log").read_text()
+    assert f"outer sync at step {after_drill['step'] - 1} discarded" in said, said[-3000:]
+    assert "this group dies in an outer sync" in (tmp_path / "group2.log").read_text()
+    assert [e["verified"] for e in events if e.get("event") == "heal" and e["replica_group"] == 2] == [True]
     together = [g for g, _ in quorums]
     lost = together.index([0], together.index([0, 1]))  # group 1 left: group 0 synced alone ...
     assert [0, 1] in together[lost:], quorums  # ... until the replacement joined

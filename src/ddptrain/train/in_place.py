@@ -291,14 +291,20 @@ class InPlaceSession:
         assert self._state_fn is not None
         state = self._state_fn()
         sent = {"state": state, "digest": tree_digest(state)}
-        drill, self._drill = self._drill, None  # a drill fires once
-        if drill == "die_in_send":
+        if self.drill("die_in_send"):
             log.warning("fault drill: this group dies while it is the donor of a heal")
             os.kill(os.getpid(), signal.SIGKILL)
-        if drill == "corrupt_send":
+        if self.drill("corrupt_send"):
             log.warning("fault drill: one byte of the state sent to the joining group is flipped")
             sent["state"] = _flip_one_byte(state)
         return sent
+
+    def drill(self, name: str) -> bool:
+        """Whether the fault drill `name` (ft_env.INJECT_ENV) fires now: the one this group was given, once."""
+        if self._drill != name:
+            return False
+        self._drill = None
+        return True
 
     def _load(self, received: dict[str, Any]) -> None:
         """The joiner's side: load the received state only when its bytes hash to the digest the donor sent."""

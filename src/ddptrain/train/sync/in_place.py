@@ -27,6 +27,8 @@ there contributes nothing), the vote, the outer step. A lost group's share of it
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -498,7 +500,12 @@ class InPlace(EveryStep):
         head[_OK] = 0.0 if view.heal is not None and not view.heal.verified else 1.0
         head[_FIXED + view.rank] = self.group_id + 1  # every rank: summed over the groups only, rank by rank
         delta = pseudo_gradient(o.global_params, o.local_params).mul_(weight)
-        for sent in (self.session.cross_sum(head), self.session.cross_sum(delta)):
+        heads = self.session.cross_sum(head)
+        if contributes and self.session.drill("die_in_outer_sync"):  # the drill: every group of the round is in it
+            heads.wait()
+            log.warning("fault drill: this group dies in an outer sync, before its pseudo-gradient is summed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        for sent in (heads, self.session.cross_sum(delta)):
             sent.wait()
         o.sent_bytes += delta.numel() * delta.element_size()  # outer_sent_bytes: this rank's payload
         if not self.session.errored() and int(head[_OK]) != n:
