@@ -173,9 +173,12 @@ def _agent_helper(pid: int, agent: int) -> bool:
     try:
         ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        own = Path(f"/proc/{agent}/cmdline").read_bytes()
     except (OSError, ValueError, IndexError):
         return False
-    return ppid == agent and b"multiprocessing." in cmdline
+    # the resource tracker is exec'd ("multiprocessing." in its command line); the fork server is a fork of the
+    # agent itself (launch/worker_start.py), its command line the agent's
+    return ppid == agent and (b"multiprocessing." in cmdline or cmdline == own)
 
 
 class InPlaceJob(Job):

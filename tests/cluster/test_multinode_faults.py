@@ -210,9 +210,12 @@ def _launcher_helper(pid: int, launcher: int) -> bool:
     try:
         ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        own = Path(f"/proc/{launcher}/cmdline").read_bytes()
     except (OSError, ValueError, IndexError):
         return False
-    return ppid == launcher and b"multiprocessing." in cmdline
+    # the resource tracker is exec'd ("multiprocessing." in its command line); the fork server is a fork of the
+    # launcher itself (launch/worker_start.py), its command line the launcher's
+    return ppid == launcher and (b"multiprocessing." in cmdline or cmdline == own)
 
 
 def measured(scenario: str, **numbers: float) -> None:
