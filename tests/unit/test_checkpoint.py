@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import env_for_subprocess
 
 from ddptrain.checkpoint import Checkpointer, committed_checkpoints, verify_checkpoint
 from ddptrain.checkpoint.formats.rank0_torch import RankZeroTorchWriter
@@ -60,29 +62,34 @@ def test_keep_k_after_many_saves(tmp_path: Path) -> None:
     assert names(tmp_path) == ["step-00000008", "step-00000007"]
 
 
-def _save_and_exit(run_dir: Path) -> None:
-    """In a forked child: four sync saves, keep=2, and the process ends right after the last (no wait())."""
-    ckpt = Checkpointer(CkptConfig(keep=2), run_dir, DistContext(), {})
-    ckpt.setup()
-    for step in range(1, 5):
-        shared = {"model": {"w": torch.full((256, 256), float(step))}, "optimizer": {}, "trainer": {}}
-        ckpt.save(step, shared, {"rng": {}})
-        (result,) = ckpt.finished()
-        assert result.ok and result.path is not None, result.error
-        verify_checkpoint(result.path)  # committed and complete when a sync save returns, its prune still running
+_SAVE_AND_EXIT = """
+import sys, torch
+from pathlib import Path
+from ddptrain.checkpoint import Checkpointer, verify_checkpoint
+from ddptrain.config import CkptConfig
+from ddptrain.dist import DistContext
+ckpt = Checkpointer(CkptConfig(keep=2), Path(sys.argv[1]), DistContext(), {})
+ckpt.setup()
+for step in range(1, 5):
+    ckpt.save(step, {"model": {"w": torch.full((256, 256), float(step))}, "optimizer": {}, "trainer": {}}, {"rng": {}})
+    (result,) = ckpt.finished()
+    assert result.ok and result.path is not None, result.error
+    verify_checkpoint(result.path)  # committed and complete when a sync save returns, its prune still running
+"""
 
 
 @pytest.mark.timeout(60)
 def test_sync_saves_prune_behind_the_commit_and_finish_before_the_process_ends(tmp_path: Path) -> None:
     # The prune after a commit runs in a thread of its own: the next save waits for it, and a process that
-    # ends right after its last save (no wait()) still leaves exactly `keep` checkpoints. The process is forked
-    # from this one (torch and ddptrain already imported; a fresh interpreter spent ~3 CPU-s importing them):
-    # a forked multiprocessing child ends as an interpreter does, joining its non-daemon threads
-    # (threading._shutdown) before it exits.
-    child = multiprocessing.get_context("fork").Process(target=_save_and_exit, args=(tmp_path,))
-    child.start()
-    child.join(timeout=50)
-    assert child.exitcode == 0, "the saving process failed (its traceback is in the captured stderr)"
+    # ends right after its last save (no wait()) still leaves exactly `keep` checkpoints.
+    done = subprocess.run(
+        [sys.executable, "-c", _SAVE_AND_EXIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=env_for_subprocess(),
+    )
+    assert done.returncode == 0, done.stderr
     assert names(tmp_path) == ["step-00000004", "step-00000003"]
     assert verify_checkpoint(tmp_path / "checkpoints" / "step-00000004").manifest.writer == "sharded"
 
