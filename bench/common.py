@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,16 @@ class Options:
     def order(self, names: Sequence[str], r: int) -> list[str]:
         """Variant order of round r: A B C, then C B A, then A B C ..."""
         return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def chosen_modes(opts: Options, modes: Mapping[str, Any], figure: str) -> list[str]:
+    """The modes of `figure` that --modes names, in its order (all of them when it names none); a name it does not
+    have exits 2 with the choices."""
+    unknown = [m for m in opts.modes if m not in modes]
+    if unknown:
+        print(f"python -m bench {figure}: no mode {unknown[0]!r}: pick from {', '.join(modes)}", file=sys.stderr)
+        raise SystemExit(2)
+    return list(opts.modes or modes)
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

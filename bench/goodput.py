@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, Options, Row, summary
+from bench.common import REPO, Options, Row, chosen_modes, summary
 from bench.ft_jobs import InPlaceJob, Job, Kill, RestartJob, child_env, read_jsonl
 from ddptrain.review.membership import step_goodput
 
@@ -204,11 +204,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     shutil.rmtree(folder, ignore_errors=True)
     train = [*JOB, f"data.dir={opts.data_dir}"]
     results: dict[str, dict[str, Any]] = {}
-    unknown = [m for m in opts.modes if m not in MODES]
-    if unknown:
-        print(f"python -m bench goodput: no mode {unknown[0]!r}: pick from {', '.join(MODES)}", file=sys.stderr)
-        raise SystemExit(2)
-    for mode in opts.modes or MODES:
+    for mode in chosen_modes(opts, MODES, "goodput"):
         (folder / mode).mkdir(parents=True)
         job = RestartJob(folder / mode, HOSTS, train, HOSTS - 1) if mode == "restart" else None
         job = job or InPlaceJob(folder / mode, HOSTS, [*train, *MODES[mode]])

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Options, Row, summary
+from bench.common import Options, Row, chosen_modes, summary
 from bench.ft_jobs import RestartJob, read_jsonl
 
 GPT_3M = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=64"]
@@ -196,11 +196,7 @@ def _link_rows(figure: str, name: str, runs: list[dict[str, Any]], ddp_bytes: fl
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """Rows: each mode's samples/s on the limited link, its ratio to the unlimited-link synchronous rate and its
     validation loss against synchronous DDP's; data: every job's figures."""
-    unknown = [m for m in opts.modes if m not in MODES]
-    if unknown:
-        print(f"python -m bench slow_links: no mode {unknown[0]!r}: pick from {', '.join(MODES)}", file=sys.stderr)
-        raise SystemExit(2)
-    modes = SMOKE_MODES if opts.smoke else {m: MODES[m] for m in opts.modes or MODES}
+    modes = SMOKE_MODES if opts.smoke else {m: MODES[m] for m in chosen_modes(opts, MODES, "slow_links")}
     rate = opts.rate or RATE
     variants = {UNLIMITED: ([], None), **{m: (extra, None if opts.smoke else rate) for m, extra in modes.items()}}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}

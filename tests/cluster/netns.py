@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -183,3 +184,15 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def hosts_or_skip(n: int) -> Iterator[Cluster]:
+    """n fresh hosts for a test fixture, removed afterwards pass or fail; the test is skipped, with the reason,
+    where namespaces cannot be made."""
+    import pytest  # only the tests' fixtures skip (bench/ft_jobs.py uses these hosts too)
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(n) as cluster:
+        yield cluster

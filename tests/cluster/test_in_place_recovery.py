@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from helpers import HELD_BACK, env_for_subprocess, run_ddptrain
-from netns import Cluster, Node, unavailable_reason
+from netns import Cluster, Node, hosts_or_skip
 
 pytestmark = pytest.mark.cluster
 pytest.importorskip("torchft")
@@ -44,14 +44,7 @@ SLOW = "model.kwargs.step_sleep=0.05"
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    c = Cluster(3)
-    try:
-        yield c
-    finally:
-        c.close()
+    yield from hosts_or_skip(3)
 
 
 class FaultTolerantJob:

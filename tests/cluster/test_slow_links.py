@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cached_run, final_model_state
-from netns import Cluster, Node, unavailable_reason
+from netns import Cluster, Node, hosts_or_skip
 from test_multinode_faults import TOY, Job, assert_same_params
 
 from ddptrain.checkpoint import verify_checkpoint
@@ -37,14 +37,7 @@ DILOCO = ["train.diloco.every_steps=4", "train.diloco.fragments=2", "train.diloc
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    c = Cluster(2)
-    try:
-        yield c
-    finally:
-        c.close()
+    yield from hosts_or_skip(2)
 
 
 def children(pid: int) -> list[int]:
