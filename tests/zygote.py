@@ -314,3 +314,4 @@ class ZygoteProcess:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+    os._exit(0)  # the zygote's own end (a child raises out of serve instead): nothing to free object by object

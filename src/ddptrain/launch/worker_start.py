@@ -133,9 +133,19 @@ def _no_exit_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+def is_forked_worker() -> bool:
+    """Whether this process is a worker forked by the preloaded start (run_worker), which ends through
+    multiprocessing's own exit (no interpreter teardown) once torch's agent has its return value."""
+    return _forked_worker[0]
+
+
+_forked_worker = [False]
+
+
 def run_worker(agent_marks: str, *argv: str) -> None:
     """`python -m ddptrain ARGV` (or `python SCRIPT ARGS` when ARGV names a script) in this forked process: its
     exit code is the worker's exit code."""
+    _forked_worker[0] = True
     # A session of its own, as torchrun gives exec'd workers: a terminal's Ctrl-C reaches the
     # agent only, which forwards it once (a second one means "quit now" to the workers).
     os.setsid()
