@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess, folder_bytes
+from helpers import TESTS_DIR, folder_bytes, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
 
 def worker(nproc: int, mode: str, run_dir: Path, ok: bool = True, *extra: str) -> subprocess.CompletedProcess[str]:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env_for_subprocess())
+    """shard_worker.py MODE RUN_DIR EXTRA on nproc local ranks (through `ddptrain launch`)."""
+    done = run_ddptrain([str(TESTS_DIR / "shard_worker.py"), mode, str(run_dir), *extra], nproc=nproc, timeout=90)
     assert (done.returncode == 0) == ok, done.stderr[-3000:]
     return done
 

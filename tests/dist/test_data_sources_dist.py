@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, TINY, env_for_subprocess, read_metrics, run_ddptrain
+from helpers import TESTS_DIR, TINY, read_metrics, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -82,10 +79,9 @@ def test_ranks_given_different_mixture_weights_stop_before_the_first_step(tmp_pa
     run_dir = tmp_path / "run"
     common = args(run_dir, tmp_path / "ids", 4)
     common.remove(sources())
-    env = env_for_subprocess({"PER_RANK_ARGS": json.dumps([[sources((5, 3, 2))], [sources((5, 3, 3))]])})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "per_rank_args.py"), *common]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=os.getcwd())
+    env = {"PER_RANK_ARGS": json.dumps([[sources((5, 3, 2))], [sources((5, 3, 3))]])}
+    r = run_ddptrain([str(TESTS_DIR / "per_rank_args.py"), *common], nproc=2, timeout=150, env=env)
+    assert r.returncode == 2, r.stderr[-3000:]  # `ddptrain launch` exits with its workers' 2
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 2, r.stderr[-3000:]
     assert all("rank 1 (" in line for line in errors), errors

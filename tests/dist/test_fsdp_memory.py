@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess
+from helpers import TESTS_DIR, run_ddptrain
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.mark.timeout(120)
 def test_fsdp_ranks_hold_half_of_parameters_and_optimizer_state(corpus_dir: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "fsdp_shard_worker.py"), str(corpus_dir), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env_for_subprocess())
+    done = run_ddptrain([str(TESTS_DIR / "fsdp_shard_worker.py"), str(corpus_dir), str(tmp_path)], nproc=2, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for rank in ranks:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess, read_metrics, run_ddptrain
+from helpers import TESTS_DIR, read_metrics, run_ddptrain
 
 from ddptrain.cli import main
 
@@ -81,9 +79,9 @@ def test_metrics_logged_evaluated_and_early_stop_resumed_mid_patience(
 
 @pytest.mark.timeout(200)
 def test_a_hook_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS_DIR / "hook_worker.py"), str(tmp_path / "run"), str(tmp_path), "3"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env_for_subprocess())
+    done = run_ddptrain(
+        [str(TESTS_DIR / "hook_worker.py"), str(tmp_path / "run"), str(tmp_path), "3"], nproc=2, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [json.loads((tmp_path / f"hook-rank{r}.json").read_text()) for r in range(2)]
     stop = seen[0]["step"]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, TINY, env_for_subprocess, read_metrics
+from helpers import TESTS_DIR, TINY, read_metrics, run_ddptrain
 
 from ddptrain.data.corpus import PrepareOptions, prepare_corpus
 
@@ -57,17 +55,7 @@ def test_two_ranks_make_no_host_sync_on_unlogged_steps(
         "log.straggler_every=0",
         *extra,
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(TESTS_DIR / "sync_worker.py"),
-        str(tmp_path),
-        *overrides,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env_for_subprocess())
+    done = run_ddptrain([str(TESTS_DIR / "sync_worker.py"), str(tmp_path), *overrides], nproc=2, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     if extra:
         assert [r["custom_metrics"] for r in read_metrics(tmp_path / "run")] == [

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS_DIR, env_for_subprocess
+from helpers import TESTS_DIR, run_ddptrain
 
 from ddptrain.dist import DistContext
 from ddptrain.train.agreement import StopAgreement
@@ -18,16 +16,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.timeout(120)
 def test_a_request_on_one_rank_is_agreed_by_all_one_poll_later(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(TESTS_DIR / "agreement_worker.py"),
-        str(tmp_path),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env_for_subprocess())
+    done = run_ddptrain([str(TESTS_DIR / "agreement_worker.py"), str(tmp_path)], nproc=2, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in range(2):  # rank 1 saw the request at poll 4; everyone learns it at poll 5
         assert json.loads((tmp_path / f"agreement-rank{rank}.json").read_text()) == {"shared": 5, "own": 5}
