@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env_for_subprocess, final_model_state, folder_bytes, read_metrics, run_ddptrain
+from helpers import env_for_subprocess, final_model_state, folder_bytes, read_metrics, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("peft", reason="needs the peft extra")
@@ -112,11 +112,9 @@ def losses(run_dir: Path) -> dict[int, list[float]]:
 
 
 def kill_after_a_checkpoint(args: list[str], run_dir: Path) -> None:
-    """Run args under torchrun and SIGKILL every process once a step after the first checkpoint was logged."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ddptrain", *args]
-    proc = subprocess.Popen(
-        cmd, env=env_for_subprocess(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    """Run args on 2 ranks and SIGKILL the launcher's process group once a step after the first checkpoint was
+    logged (the workers, in sessions of their own, then stop as their agent died: tests/dist/test_agent_death.py)."""
+    proc = start_ddptrain(args, nproc=2, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if (run_dir / "metrics.jsonl").is_file() and any(m["step"] >= 4 for m in read_metrics(run_dir)):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain
+from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers", reason="needs the hf extra (transformers, tokenizers)")
@@ -100,19 +100,12 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(
     assert read_metrics(ref)[-1]["mfu"] > 0  # flops_per_token came from the transformers config
 
     killed = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "ddptrain",
-        "train",
-        *llama(bpe_corpus, killed, steps),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env_for_subprocess(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    proc = start_ddptrain(
+        ["train", *llama(bpe_corpus, killed, steps)],
+        nproc=2,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
