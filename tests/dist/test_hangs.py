@@ -1,4 +1,4 @@
-"""Under torchrun (gloo): hangs are caught by the calibrated watchdog in about 3 x p99 step time plus a
+"""On 2 local ranks (gloo): hangs are caught by the calibrated watchdog in about 3 x p99 step time plus a
 margin (long before dist.timeout_s; the time itself is printed, not asserted), and `ddptrain triage` names the right rank and place for each
 injected fault: a SIGSTOPped rank, a rank sleeping inside forward, a rank that skips a collective,
 a rank blocked on I/O. The detection figures are printed (pytest -s shows them)."""
@@ -11,12 +11,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import env_for_subprocess, run_ddptrain
+from helpers import run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -44,22 +44,12 @@ def _args(run_dir: Path, model_kwargs: str, data: list[str] | None = None) -> li
     ]
 
 
-def _start(args: list[str]) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "ddptrain",
-        "train",
-        *args,
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_for_subprocess())
+def _start(args: list[str]) -> Any:
+    """`ddptrain train ARGS` on 2 local ranks (through `ddptrain launch`), its output on one text pipe."""
+    return start_ddptrain(["train", *args], nproc=2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> str:
+def _finish(proc: Any, timeout: float = 150) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -131,8 +121,8 @@ def test_a_sigstopped_rank_is_caught_in_seconds_and_named_stopped(tmp_path: Path
         pid, pid0 = _pid(run_dir, 1), _pid(run_dir, 0)
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.time()
-        # Rank 0 catches the hang, observes the stopped rank and leaves; torchrun's agent would then wait out
-        # its shutdown timeout (30 s) for the stopped rank before killing it: the test kills it once rank 0 is out.
+        # Rank 0 catches the hang, observes the stopped rank and leaves; the agent would then wait out its
+        # shutdown timeout (30 s) for the stopped rank before killing it: the test kills it once rank 0 is out.
         while _running(pid0) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
