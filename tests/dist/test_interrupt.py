@@ -130,8 +130,8 @@ def test_ctrl_c_to_launch_with_2_ranks_checkpoints_exits_130_and_resumes_bit_exa
     again = start(argv, tmp_path / "second.log")
     assert again.wait(180) == 0, (tmp_path / "second.log").read_text()[-3000:]
     assert [r["step"] for r in read_metrics(run_dir, "event") if r["event"] == "resume"] == [step]
-    # The uninterrupted run under plain torchrun, shared with test_preemption.py: the same weights either way.
-    reference = cached_run(reference_cache, ["train", *TOY, "run.dir={out}"], nproc=2, launcher="torchrun")
+    # The uninterrupted run on 2 ranks, shared with test_preemption.py: the same weights either way.
+    reference = cached_run(reference_cache, ["train", *TOY, "run.dir={out}"], nproc=2)
     assert_same_weights(reference, run_dir)
 
 

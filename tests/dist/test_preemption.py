@@ -66,8 +66,8 @@ def test_sigusr1_to_launcher_stops_all_ranks_with_75_and_rerun_resumes(tmp_path:
     again = start(argv, tmp_path / "second.log")
     assert again.wait(150) == 0, (tmp_path / "second.log").read_text()[-3000:]
     assert [r["step"] for r in read_metrics(run_dir, "event") if r["event"] == "resume"] == [preempted["step"]]
-    # The uninterrupted run under plain torchrun, shared with test_interrupt.py.
-    reference = cached_run(reference_cache, ["train", *TOY, "run.dir={out}"], nproc=2, launcher="torchrun")
+    # The uninterrupted run on 2 ranks, shared with test_interrupt.py.
+    reference = cached_run(reference_cache, ["train", *TOY, "run.dir={out}"], nproc=2)
     for k, v in final_model_state(reference).items():
         assert torch.equal(final_model_state(run_dir)[k], v), k
 
