@@ -10,7 +10,6 @@ Each test prints MEASURED lines (run with -s).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from etcd_harness import endpoints, etcd_missing, free_port, loopback_etcd, start_etcd
-from helpers import env_for_subprocess, final_model_state
+from helpers import final_model_state, start_ddptrain
 from netns import Cluster, Node, unavailable_reason
 from test_multinode_faults import Job, assert_same_params, measured
 
@@ -106,7 +105,7 @@ class EtcdJob(Job):
 
 
 class Reference:
-    """A plain `torchrun --standalone` run of the job's training at world_size, started now, run beside the job.
+    """A local run of the job's training on world_size ranks (`ddptrain launch`), started now, run beside the job.
 
     Started while the job still trains (its steps mostly sleep), so the comparison costs little wall time.
     """
@@ -114,9 +113,8 @@ class Reference:
     def __init__(self, job: EtcdJob, tmp: Path, world_size: int, *extra: str) -> None:
         self.run_dir = tmp / "reference"
         self.log = open(tmp / "reference.log", "wb")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
-        args = ["-m", "ddptrain", "train", *job.train_args[:-1], f"run.dir={self.run_dir}", *extra]
-        self.proc = subprocess.Popen([*cmd, *args], env=env_for_subprocess(), stdout=self.log, stderr=subprocess.STDOUT)
+        args = ["train", *job.train_args[:-1], f"run.dir={self.run_dir}", *extra]
+        self.proc = start_ddptrain(args, nproc=world_size, stdout=self.log, stderr=subprocess.STDOUT)
 
     def params(self, timeout: float = 90) -> dict[str, torch.Tensor]:
         """The reference's final parameters, once it has finished."""
