@@ -9,10 +9,12 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +28,7 @@ from zygote import Zygote
 from ddptrain.checkpoint import verify_checkpoint
 from ddptrain.data.corpus import prepare_corpus
 from ddptrain.data.dataset import SftDataset, TokenDataset, load_split
+from ddptrain.launch.worker_start import is_script
 from ddptrain.models.loss import extract_loss, model_output
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -91,7 +94,8 @@ def run_ddptrain(
     cwd: Path | None = None,
     max_file_bytes: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS`, or with nproc > 0 the same command on N local workers.
+    """`python -m ddptrain ARGS`, or with nproc > 0 the same command on N local workers (ARGS may also start with a
+    Python script, `script.py ARGS`, run on every worker as torchrun runs one).
 
     The workers start through `ddptrain launch --nproc-per-node N --max-restarts 0 -- ARGS` (forked from its
     preloaded server: torch is imported once, not once per worker), or with launcher="torchrun" through plain
@@ -109,7 +113,7 @@ def run_ddptrain(
     launcher = launcher or default_launcher()
     if nproc and launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += ["-m", "ddptrain", *args]
+        cmd += args if args and is_script(args[0]) else ["-m", "ddptrain", *args]
     else:
         args = _launched(args, nproc)
         if use_zygote():
@@ -185,6 +189,36 @@ def cached_run(
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
             (folder / "trained").touch()
     return folder
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, theirs, and so on, from /proc's children lists."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL the launcher pid and every process below it (workers, fork server, resource tracker): the job ends
+    whole, as a lost node ends it. A kill of the launcher or its process group alone reaches none of its workers
+    (sessions of their own): they stop on their own then (train/agent_watch.py), which is another test's subject."""
+    victims = [pid, *descendants(pid)]  # walked before the kill: an orphan's parent changes
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # Until reaped, a killed worker's pid still exists (a zombie) and its run folder lease counts as held.
+    deadline = time.monotonic() + 30
+    while (left := [v for v in victims if v != pid and Path(f"/proc/{v}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes {left} of the killed job are still there"
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:

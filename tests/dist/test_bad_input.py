@@ -48,7 +48,7 @@ def test_sharding_that_cannot_run_exits_2_on_every_rank(tiny_args: list[str], tm
     # `ddptrain launch`, which exits with its workers' 2 and prints no traceback of its own).
     toy = ["model.target=toy:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
            "train.global_batch_size=8", "train.max_steps=2", f"run.dir={tmp_path / 'toy'}"]  # fmt: skip
-    no_units = run_ddptrain(["train", *toy, "dist.strategy=fsdp"], nproc=2)
+    no_units = run_ddptrain(["train", *toy, "dist.strategy=fsdp"], nproc=2, launcher="launch")
     message = "cannot tell which submodules of RecordingRegressor to shard or checkpoint: set model.shard_units"
     assert no_units.stderr.count("ddptrain train: error:") == no_units.stderr.count(message) == 2, no_units.stderr
     assert no_units.returncode == 2 and "Traceback" not in no_units.stderr, no_units.stderr[-3000:]

@@ -80,7 +80,7 @@ def test_ranks_given_different_mixture_weights_stop_before_the_first_step(tmp_pa
     common = args(run_dir, tmp_path / "ids", 4)
     common.remove(sources())
     env = {"PER_RANK_ARGS": json.dumps([[sources((5, 3, 2))], [sources((5, 3, 3))]])}
-    r = run_ddptrain([str(TESTS_DIR / "per_rank_args.py"), *common], nproc=2, timeout=150, env=env)
+    r = run_ddptrain([str(TESTS_DIR / "per_rank_args.py"), *common], nproc=2, launcher="launch", timeout=150, env=env)
     assert r.returncode == 2, r.stderr[-3000:]  # `ddptrain launch` exits with its workers' 2
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 2, r.stderr[-3000:]

@@ -71,7 +71,7 @@ def test_ranks_with_different_data_stop_before_the_first_step(corpus_dir: Path, 
     other = prepare_tiny_corpus_variant(tmp_path / "other")
     run_dir = tmp_path / "run"
     script = [str(TESTS_DIR / "per_rank_data.py"), "train", *TINY, f"run.dir={run_dir}"]
-    r = run_ddptrain(script, nproc=2, timeout=150, env={"DATA_DIRS": f"{corpus_dir}:{other}"})
+    r = run_ddptrain(script, nproc=2, launcher="launch", timeout=150, env={"DATA_DIRS": f"{corpus_dir}:{other}"})
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 2, r.stderr[-3000:]  # every rank, one line each
     for line in errors:
@@ -94,7 +94,7 @@ def test_ranks_given_different_shard_bytes_under_one_meta_json_stop_before_the_f
     shard.write_bytes(bytes(data))
     run_dir = tmp_path / "run"
     script = [str(TESTS_DIR / "per_rank_data.py"), "train", *TINY, f"run.dir={run_dir}"]
-    r = run_ddptrain(script, nproc=2, timeout=150, env={"DATA_DIRS": f"{corpus_dir}:{other}"})
+    r = run_ddptrain(script, nproc=2, launcher="launch", timeout=150, env={"DATA_DIRS": f"{corpus_dir}:{other}"})
     errors = [line for line in r.stderr.splitlines() if "ddptrain train: error:" in line]
     assert len(errors) == 2, r.stderr[-3000:]  # every rank, one line each, naming the rank, host and shard
     for line in errors:

@@ -9,8 +9,6 @@ Python API trains adapters too.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env_for_subprocess, final_model_state, folder_bytes, read_metrics, run_ddptrain, start_ddptrain
+from helpers import (
+    env_for_subprocess,
+    final_model_state,
+    folder_bytes,
+    kill_job,
+    read_metrics,
+    run_ddptrain,
+    start_ddptrain,
+)
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("peft", reason="needs the peft extra")
@@ -112,15 +118,14 @@ def losses(run_dir: Path) -> dict[int, list[float]]:
 
 
 def kill_after_a_checkpoint(args: list[str], run_dir: Path) -> None:
-    """Run args on 2 ranks and SIGKILL the launcher's process group once a step after the first checkpoint was
-    logged (the workers, in sessions of their own, then stop as their agent died: tests/dist/test_agent_death.py)."""
+    """Run args on 2 ranks and SIGKILL every process once a step after the first checkpoint was logged."""
     proc = start_ddptrain(args, nproc=2, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if (run_dir / "metrics.jsonl").is_file() and any(m["step"] >= 4 for m in read_metrics(run_dir)):
             break
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc.pid)
     proc.wait(timeout=30)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env_for_subprocess, final_model_state, read_metrics, run_ddptrain, start_ddptrain
+from helpers import env_for_subprocess, final_model_state, kill_job, read_metrics, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers", reason="needs the hf extra (transformers, tokenizers)")
@@ -112,7 +112,7 @@ def test_llama_from_inline_config_two_ranks_sigkill_rerun_is_bit_exact(
         if (killed / "metrics.jsonl").is_file() and any(m["step"] >= 6 for m in read_metrics(killed)):
             break
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc.pid)
     proc.wait(timeout=30)
     assert (killed / "checkpoints" / "step-00000004").is_dir()
     r = run_ddptrain(["train", *llama(bpe_corpus, killed, steps)], nproc=2, timeout=240)
