@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import re
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import one_error_line, run_ddptrain
+from helpers import one_error_line, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 
@@ -28,30 +31,56 @@ def test_bad_input_under_torchrun_exits_2_on_every_rank(tiny_args: list[str]) ->
     assert "exitcode  : 2" in result.stderr or "exitcode: 2" in result.stderr.replace(" ", "")
 
 
-@pytest.mark.timeout(120)
-def test_sharding_that_cannot_run_exits_2_on_every_rank(tiny_args: list[str], tmp_path: Path) -> None:
-    # A shard group size that does not divide the world: refused before the rendezvous. Plain torchrun:
-    # `ddptrain launch` refuses this one itself, before any worker starts.
-    bad_groups = run_ddptrain(
-        ["train", *tiny_args, "dist.strategy=hsdp", "dist.shard_size=3"], nproc=2, launcher="torchrun"
-    )
-    message = "dist.shard_size=3 does not divide the world size 2"
-    # One line per rank that got to print it: torchrun SIGTERMs the other rank as soon as the first exits 2, at
-    # times before that one printed (seen 3 runs of 5 on a loaded 2-core machine), so only the first is certain.
-    lines = bad_groups.stderr.count("ddptrain train: error:")
-    assert lines == bad_groups.stderr.count(message) and lines in (1, 2), bad_groups.stderr[-3000:]
-    assert bad_groups.returncode != 0 and "exitcode:2" in bad_groups.stderr.replace(" ", ""), bad_groups.stderr[-3000:]
-    # The one traceback is torchrun's agent reporting the failed workers; the workers print none.
-    assert bad_groups.stderr.count("Traceback") == 1 and "ChildFailedError" in bad_groups.stderr
+def each_rank_alone(args: list[str], world_size: int) -> list[tuple[int, str]]:
+    """`ddptrain ARGS` as every rank of a `world_size`-rank job, each a process with the variables torchrun gives
+    its workers but no agent: none is stopped because another one exited first, so each shows what it does by
+    itself. Each rank's exit code and stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [
+        start_ddptrain(
+            args,
+            env={
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    return [(proc.wait(90), proc.communicate()[1]) for proc in ranks]
 
-    # A user's model under fsdp with no shard units named: refused while wrapping, on every rank alike (through
-    # `ddptrain launch`, which exits with its workers' 2 and prints no traceback of its own).
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case",
+    [
+        # A shard group size that does not divide the world: refused before the rendezvous (and by `ddptrain
+        # launch` itself, before any worker starts).
+        ("tiny", ["dist.strategy=hsdp", "dist.shard_size=3"], "dist.shard_size=3 does not divide the world size 2"),
+        # A user's model under fsdp with no shard units named: refused while wrapping, after the rendezvous.
+        ("toy", ["dist.strategy=fsdp"], "cannot tell which submodules of RecordingRegressor to shard or checkpoint"),
+    ],
+)
+def test_sharding_that_cannot_run_exits_2_on_every_rank(
+    case: tuple[str, list[str], str], tiny_args: list[str], tmp_path: Path
+) -> None:
+    model, overrides, message = case
     toy = ["model.target=toy:build_model", "data.target=toy:build_datasets", "data.micro_batch_size=4",
            "train.global_batch_size=8", "train.max_steps=2", f"run.dir={tmp_path / 'toy'}"]  # fmt: skip
-    no_units = run_ddptrain(["train", *toy, "dist.strategy=fsdp"], nproc=2, launcher="launch")
-    message = "cannot tell which submodules of RecordingRegressor to shard or checkpoint: set model.shard_units"
-    assert no_units.stderr.count("ddptrain train: error:") == no_units.stderr.count(message) == 2, no_units.stderr
-    assert no_units.returncode == 2 and "Traceback" not in no_units.stderr, no_units.stderr[-3000:]
+    for rank, (code, err) in enumerate(
+        each_rank_alone(["train", *(tiny_args if model == "tiny" else toy), *overrides], 2)
+    ):
+        # One line, no traceback; a rank other than 0 names itself, as its line shares the job's stderr.
+        assert code == 2 and re.fullmatch(rf"(\[rank {rank}\] )?ddptrain train: error: [^\n]*\n", err), (code, err)
+        assert message in err, err
 
 
 def test_a_warm_up_covering_the_whole_run_is_warned_once_and_trains(tiny_args: list[str]) -> None:
