@@ -155,3 +155,29 @@ def test_a_worker_whose_stop_cannot_complete_exits_after_the_grace(tmp_path: Pat
     assert "the stop did not complete within 3 s of the agent's death: exiting now" in text, text[-2000:]
     assert not [r for r in read_metrics(run_dir, "event") if r["event"] == "preempted"]
     assert_accepted_and_resumed(run_dir, argv, 10)
+
+
+@pytest.mark.timeout(300)
+def test_workers_done_when_their_agent_is_killed_leave_instead_of_waiting_for_it(tmp_path: Path) -> None:
+    """A forked worker whose run ended waits for the agent to read its result (torch's worker wrapper), its run's
+    watch closed by then: the agent frozen until both ranks are done, then killed, must not leave them waiting."""
+    run_dir = tmp_path / "run"
+    argv = ["train", *TOY, "train.max_steps=12", f"run.dir={run_dir}"]
+    proc, pids, workers = start_job(STARTS["launch-preloaded"], argv, tmp_path / "agent.log")
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # it cannot collect what its workers return
+        logs = [run_dir / "logs" / f"rank-{rank}.log" for rank in sorted(workers)]
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while time.monotonic() < deadline and not (
+            all("done: 12 steps" in log.read_text() for log in logs) and not (run_dir / LEASE).exists()
+        ):
+            time.sleep(0.2)
+        assert not (run_dir / LEASE).exists(), [log.read_text()[-1000:] for log in logs]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = wait_until_gone(pids, GONE_WITHIN_S)
+        assert not left, f"still running {GONE_WITHIN_S} s after the agent died: {left}"
+    finally:
+        kill_all([proc.pid, *pids])
+    assert newest_step(run_dir) == 12
+    assert not [r for r in read_metrics(run_dir, "event") if r["event"] == "preempted"]

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddptrain.observe.recovery import AGENT_MARKS_ENV
+from ddptrain.train.agent_watch import leave_if_the_agent_dies
 
 PRELOAD = ["ddptrain.launch.preload"]  # the imports, and stop signals ignored by the server
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -165,7 +166,10 @@ def run_worker(agent_marks: str, *argv: str) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    if script:
-        runpy.run_path(script, run_name="__main__")
-    else:
-        runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+    try:
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+    finally:
+        leave_if_the_agent_dies()  # torch's wrapper now waits for the agent to read the result

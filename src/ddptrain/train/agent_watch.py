@@ -24,6 +24,10 @@ returns) releases the run folder's lease and exits 1 at once. The grace is `ddpt
 --shutdown-timeout` (passed as DDPTRAIN_STOP_GRACE_S), else 30 s (torchrun's default). The
 kernel's alarm ends the process 10 s later should even that not run.
 
+A forked worker whose run has ended then waits for the agent to read its return value (torch's worker
+wrapper), its run's watch closed: should the agent die then, leave_if_the_agent_dies ends it (exit 0: the
+work was done) rather than leave it waiting, and holding the fork server, for ever.
+
 A plain `ddptrain train` has no agent and no watcher: it goes on when the shell that started it
 exits (nohup, a closed SSH session with the output redirected).
 """
@@ -151,3 +155,21 @@ class AgentWatch:
                 log.warning("before exiting: %s: %s", type(e).__name__, e)
         streams.flush_standard_streams()
         os._exit(EXIT_FAILURE)
+
+
+def leave_if_the_agent_dies() -> None:
+    """For a forked worker whose command has returned: torch's worker wrapper then waits until the agent has read
+    the return value, with the run's own watch closed. An agent killed at that moment (`kill -9` as the run ends)
+    would leave the worker waiting, and holding its pipes, for ever: a daemon thread ends it instead (exit 0: the
+    work was done), checking as often as the run's watch does."""
+    if not os.environ.get(AGENT_ENV):
+        return
+    watch = AgentWatch(grace_s=0.0)
+
+    def leave_once_lost() -> None:
+        while watch.agent_alive():
+            time.sleep(POLL_S)
+        streams.flush_standard_streams()
+        os._exit(0)
+
+    threading.Thread(target=leave_once_lost, name="ddptrain-agent-watch-after-run", daemon=True).start()
