@@ -26,9 +26,15 @@ $(STAMP): pyproject.toml
 train: venv
 	$(VENV)/bin/ddptrain train $(ARGS)
 
-# Two pytest workers, one per core of the 2-core CI machines: counting every process a test starts, the
-# suite keeps both cores busy (the SLURM test files stay on one worker, in order: tests/conftest.py).
-TEST_WORKERS ?= 2
+# Three pytest workers on the 2-core CI machines: the multi-host and fault tests spend much of their time
+# waiting (timeouts, outages, sleeping steps), and a third worker fills those waits (measured in
+# docs/testing.md). The SLURM test files stay on one worker, in order (tests/conftest.py).
+TEST_WORKERS ?= 3
+
+# The suite starts hundreds of interpreters and forks: with the bytecode cache (the ignored __pycache__
+# folders) each compiles ddptrain and pytest rewrites each test module once, not in every process, even
+# where the environment turns the cache off.
+unexport PYTHONDONTWRITEBYTECODE
 
 # `make test` asserts behaviour, never a timing: the measurements (marker `measure`: the straggler
 # detection and false-alarm figures, the recovery time) would make a loaded machine fail the suite.
