@@ -63,8 +63,10 @@ format: venv
 	$(VENV)/bin/ruff check --fix src tests bench examples
 	$(VENV)/bin/ruff format src tests bench examples
 
+# The unit tests by file (loadfile): a file's tests share one worker's lazy imports (MLflow, matplotlib,
+# transformers) instead of each worker importing them again (measured in docs/testing.md).
 test-unit: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not measure" tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not measure" tests/unit
 
 test-dist: venv
 	$(PY) -m pytest -q tests/dist
