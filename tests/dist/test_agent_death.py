@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import env_for_subprocess, read_metrics, run_ddptrain
+from helpers import descendants, env_for_subprocess, read_metrics, run_ddptrain
 from test_broken_output import COMMANDS, newest_step
 from test_interrupt import SLOW, TOY, wait_for_step
 
@@ -32,19 +32,6 @@ STARTS = {
     "launch-exec": [*COMMANDS["launch"][:-1], "--worker-start", "exec", "--"],
     "torchrun": COMMANDS["torchrun"],
 }
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (workers, fork server, resource tracker), from /proc's children lists."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            found += [child, *descendants(child)]
-    return found
 
 
 def running(pid: int) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import HELD_BACK, env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
+from helpers import HELD_BACK, descendants, env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("torchft")
@@ -346,19 +346,6 @@ def test_a_frozen_writer_group_is_evicted_and_rejoins_when_it_wakes(lighthouse: 
     assert any(h["replica_group"] == 0 and h["verified"] for h in records(run_dir) if h.get("event") == "heal")
     first = trained(frozen_at, 1)[0]
     print(f"MEASURED frozen group (SIGSTOP) -> next commit by the other: {first['time'] - frozen_at:.2f} s")
-
-
-def descendants(pid: int) -> list[int]:
-    """pid's child processes, theirs, and so on (walked before a kill: the orphans' parent changes after it)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
-    return found
 
 
 def running(pid: int) -> bool:
