@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 from helpers import one_error_line, run_ddptrain, start_ddptrain
+from tracking_harness import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -35,9 +35,7 @@ def each_rank_alone(args: list[str], world_size: int) -> list[tuple[int, str]]:
     """`ddptrain ARGS` as every rank of a `world_size`-rank job, each a process with the variables torchrun gives
     its workers but no agent: none is stopped because another one exited first, so each shows what it does by
     itself. Each rank's exit code and stderr."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks = [
         start_ddptrain(
             args,

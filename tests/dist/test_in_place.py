@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from helpers import HELD_BACK, descendants, env_for_subprocess, one_error_line, run_ddptrain, start_ddptrain
+from tracking_harness import free_port
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("torchft")
@@ -35,12 +36,6 @@ TOY = [
     "dist.ft_timeout_s=5",
     "train.max_steps=40",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ft_env(group: int | str, lighthouse: str, **extra: str) -> dict[str, str]:
