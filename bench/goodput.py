@@ -104,6 +104,18 @@ def sample_accounting(run_dir: Path, reference: dict[int, int]) -> dict[str, int
     }
 
 
+def interval_shares_lost(records: list[dict[str, Any]], every: int) -> int:
+    """DiLoCo in place: samples of the intervals whose group was lost. A group that leaves at an outer sync (dead
+    mid-interval or inside the sync) takes its share of that interval's global batches, every sample of its H
+    steps' micro-batches: its pseudo-gradient is not in the outer step, and no one else trained them."""
+    lost, members = 0, 0
+    for q in (r for r in records if r.get("event") == "quorum"):
+        if members:
+            lost += len(q["left"]) * every * GLOBAL_BATCH // members
+        members = len(q["groups"])
+    return lost
+
+
 def reference_ids(folder: Path, data_dir: Path, steps: int) -> dict[int, int]:
     """step -> CRC-32 of the sample ids of a fault-free single-process run (a small model, the same stream)."""
     run_dir = folder / "reference"
@@ -140,8 +152,13 @@ def run_mode(job: Job, every: float, duration: float, seed: int) -> dict[str, An
     records = job.records()
     g = step_goodput(records, end)
     assert g is not None, f"{job.mode}: fewer than two steps in the window"
+    every = int(next((a.split("=")[1] for a in job.train if a.startswith("train.diloco.every_steps=")), 0))
+    lost = interval_shares_lost([r for r in records if r["time"] <= end], every) if every else 0
     return {
         "goodput": g.ratio,
+        # DiLoCo: the steps' samples that counted (the lost groups' interval shares taken off), as a goodput
+        "sample_goodput": g.ratio * (1 - lost / (g.steps * GLOBAL_BATCH)) if every else None,
+        "interval_samples_lost": lost,
         "steps": g.steps,
         "step_s": g.step_s,
         "wall_s": g.wall_s,
@@ -175,12 +192,19 @@ def _rows(results: dict[str, dict[str, Any]], every: float, duration: float) -> 
         none: tuple[str, Any] = ("", None)
         rows += [
             _row(fig, "goodput", [100 * r["goodput"]], "%", note, *targets.get("goodput", none)),
+            *(
+                [_row(fig, "goodput of the samples that counted", [100 * r["sample_goodput"]], "%", note)]
+                if r.get("sample_goodput") is not None
+                else []
+            ),
             _row(fig, "steps per minute", [60 * r["steps"] / r["wall_s"]], "", note),
             _row(fig, "kill -> next committed step", r["kill_to_next_step_s"], "s", note, *targets.get("next", none)),
             _row(fig, "kill -> past the step reached", r["kill_to_past_reached_s"], "s", note),
             _row(fig, "repeated samples", [r["repeated_samples"]], "", note),
             _row(fig, "lost samples", [r["lost_samples"]], "", note, *targets.get("lost", none)),
         ]
+        if r.get("sample_goodput") is not None:
+            rows.append(_row(fig, "samples of lost groups' intervals", [r["interval_samples_lost"]], "", note))
         if mode == "in-place":
             rows += [
                 _row(fig, "discarded steps per kill", r["discarded_steps"], "", note, "<= 1", lambda m: m <= 1),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddptrain.train.peer_watch import group_of, parse_heartbeats, silent_groups
+from ddptrain.train.peer_watch import Heartbeat, group_of, live_outsiders, parse_heartbeats, silent_groups
 
 PAGE = """<h2>Heartbeats</h2>
 <ul>
@@ -41,3 +41,16 @@ def test_only_participants_silent_long_enough_and_old_are_evicted_never_this_gro
     assert silent_groups(beats, ids, own=1) is None  # a group never evicts itself
     assert silent_groups(beats, [ids[1], ids[2]], own=0) is None  # g1 not in this step's quorum: nobody to evict
     assert (group_of("g12:abc"), group_of("replica-3")) == (12, None)
+
+
+def test_outsiders_are_the_live_groups_without_a_replica_in_the_quorum() -> None:
+    """DiLoCo's first quorum waits for these (train/sync/in_place.py): live heartbeats only, by group id, so a
+    restarted group's old incarnation (another replica id of a group in the quorum) is no outsider."""
+    beats = parse_heartbeats(PAGE)
+    g0 = "g0:2b675b5e-13ef-4fa6-b40f-eeb690ea549e"
+    assert live_outsiders(beats, ["g1:6cc718ea-b6af-42f4-8693-3bb968ceb3ec"], own=1) == [0]
+    assert live_outsiders(beats, [g0], own=0) == []  # g1 and g2 are old: gone
+    beats["g3:new"] = beats["g4:new"] = beats["g0:restarted"] = Heartbeat(0.01, False)
+    assert live_outsiders(beats, [g0, "g3:new"], own=0) == [4]
+    assert live_outsiders(beats, ["g3:new"], own=3) == [0, 4]
+    assert live_outsiders({}, [g0], own=1) == []  # an unreadable page: nobody is waited for

@@ -241,3 +241,16 @@ def test_step_goodput_counts_each_step_once_and_the_stall_as_lost(
     wall = (len(records) - 1) * step_s + stall_s
     assert g.wall_s == pytest.approx(wall)
     assert g.ratio == pytest.approx((steps - 1) * step_s / wall)
+
+
+def test_diloco_goodput_charges_every_step_its_share_of_the_outer_syncs() -> None:
+    """Inner steps of 0.5 s, an outer sync of 1 s after every 4th: the fault-free step is (4 x 0.5 + 1) / 4 s, not
+    the inner step's 0.5 s (which would put a fault-free run's goodput near 0.75)."""
+    records, t, syncs = [], 0.0, 0
+    for s in range(1, 21):
+        t += 0.5 + (1.0 if s % 4 == 0 else 0.0)
+        syncs += s % 4 == 0
+        records.append({"kind": "train", "time": t, "step": s, "outer_syncs": syncs})
+    g = step_goodput(records)
+    assert g is not None and g.step_s == pytest.approx(0.75)
+    assert g.ratio == pytest.approx(19 * 0.75 / (t - 0.5))  # the window opens at step 1's record

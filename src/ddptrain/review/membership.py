@@ -9,7 +9,8 @@ leaves and heals marked), and says nothing for a run without them.
 Goodput here counts committed steps, so that it reads the same in both fault-tolerance modes (the
 goodput benchmark, bench/goodput.py, uses it): the steps committed after the window's first one, times
 the fault-free step time (the median interval between consecutive steps: faults are rare, so the median
-is a fault-free step), over the window's wall time. Steps re-done after a restart count once.
+is a fault-free step; with DiLoCo the median time per step between consecutive outer syncs, which charges each
+step its share of a sync), over the window's wall time. Steps re-done after a restart count once.
 """
 
 from __future__ import annotations
@@ -47,12 +48,24 @@ def step_goodput(records: list[dict[str, Any]], end: float | None = None) -> Ste
     train = [r for r in records if r.get("kind") == "train" and (end is None or r["time"] <= end)]
     if len(train) < 2:
         return None
-    intervals = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1]
+    intervals = sync_intervals(train) or [
+        b["time"] - a["time"] for a, b in zip(train, train[1:]) if b["step"] == a["step"] + 1
+    ]
     if not intervals:
         return None
     stop = train[-1]["time"] if end is None else end
     steps = max(r["step"] for r in train) - train[0]["step"]
     return StepGoodput(steps, statistics.median(intervals), stop - train[0]["time"])
+
+
+def sync_intervals(train: list[dict[str, Any]]) -> list[float]:
+    """DiLoCo (records with `outer_syncs`): seconds per step over each stretch between two consecutive logged outer
+    syncs, so that every step carries its share of a sync (the interval between two inner steps leaves it out).
+    Empty for a run without outer syncs."""
+    syncs = [b for a, b in zip(train, train[1:]) if b.get("outer_syncs", 0) > a.get("outer_syncs", 0)]
+    return [
+        (b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(syncs, syncs[1:]) if b["step"] > a["step"]
+    ]
 
 
 def _events(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -437,6 +437,10 @@ class InPlaceSession:
         self._evicted = eviction is not None
         return eviction
 
+    def outsiders(self) -> list[int]:
+        """The groups heartbeating to the Lighthouse that are not in the last quorum (read from its status page)."""
+        return self.watch.outsiders() if self.watch is not None else []
+
     def should_commit(self) -> bool:
         """The group's verdict on this step (a round trip to its Manager): commit, or discard and retry."""
         return bool(self.manager.should_commit())

@@ -91,6 +91,14 @@ def silent_groups(heartbeats: dict[str, Heartbeat], participants: list[str], own
     return Eviction(sorted(silent), round(min(silent.values()), 2)) if silent else None
 
 
+def live_outsiders(heartbeats: dict[str, Heartbeat], participants: list[str], own: int) -> list[int]:
+    """The groups other than `own` whose heartbeat the Lighthouse holds live (not old) and that have no replica among
+    `participants` (the quorum's replica ids), by group id."""
+    inside = {group_of(replica) for replica in participants}
+    groups = {group_of(replica) for replica, beat in heartbeats.items() if not beat.old}
+    return sorted(g for g in groups if g is not None and g != own and g not in inside)
+
+
 class RecordingClient:
     """torchft's ManagerClient with each quorum's replica ids handed to `record` (the step's participants)."""
 
@@ -136,6 +144,13 @@ class PeerWatch:
         """The replica ids of the quorum this rank's next collectives run in."""
         with self._lock:
             self._participants = replica_ids
+
+    def outsiders(self) -> list[int]:
+        """The groups that heartbeat to the Lighthouse now but are not in the last quorum (none when its page cannot
+        be read)."""
+        with self._lock:
+            participants = list(self._participants)
+        return live_outsiders(self._heartbeats(), participants, self.own)
 
     def track(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
         """A future completed as `fut` is, or failed with Evicted when a group of the quorum stops answering first."""

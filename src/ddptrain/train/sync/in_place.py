@@ -65,6 +65,7 @@ from ddptrain.train.sync.fragments import fragments_due
 
 log = logging.getLogger(__name__)
 
+OUTSIDER_POLL_S = 0.5  # DiLoCo's first quorum, asked again while a heartbeating group is outside it
 _LOSS, _OK, _CHECK, _FIXED = 0, 1, 2, 3  # the step's sum: loss, healthy ranks, groups asking for a state check,
 # then each group's id + 1, in quorum order (one slot per group)
 
@@ -183,10 +184,36 @@ class InPlace(EveryStep):
             self.outer.begin()
         self.session.start(loop.step, self.live_state, self.load_live_state, self.recipe)
         if loop.step < self.cfg.train.max_steps:
-            self.pending = self.admitted_view()
+            self.pending = self.admitted_view() if self.outer is None else self.view_of_every_group()
         loop.metrics.accept()
         if self.outer is not None and self.pending is not None:  # the others are in an outer sync: join it
             self.outer_sync(self.pending)
+
+    def view_of_every_group(self) -> View:
+        """DiLoCo: this process's first quorum, once it holds every group that heartbeats to the Lighthouse.
+
+        Groups ask for quorums at outer syncs only, so a group that began an interval in a quorum without the others
+        would train it as a job of its own: at a job's start, the first group trains alone while the later ones,
+        a majority of the heartbeating groups, form a quorum without it after the Lighthouse's join timeout; both
+        write the folder and take the same samples. A group outside this quorum is mid-interval (or starting):
+        ask again until it is in, at its next outer sync at the latest; after dist.timeout_s go on without it. A
+        quorum that healed this group is taken as it is: its donor is ahead, at an outer sync.
+        """
+        give_up = time.monotonic() + self.cfg.dist.timeout_s
+        said = False
+        while True:
+            view = self.admitted_view()
+            outside = self.session.outsiders() if view.heal is None else []
+            if not outside:
+                return view
+            if time.monotonic() > give_up:
+                log.warning("replica group(s) %s never joined in dist.timeout_s: training without them", outside)
+                return view
+            if not said:
+                log.info("replica group(s) %s heartbeat outside this quorum: waiting for them to join", outside)
+                said = True
+            self.session.at_step(self.loop.step)
+            time.sleep(OUTSIDER_POLL_S)
 
     def close(self) -> None:
         """Leave the quorum: stop the Manager's server and threads."""
