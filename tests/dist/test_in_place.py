@@ -467,22 +467,23 @@ def test_diloco_groups_lose_one_mid_sync_and_one_mid_interval_and_its_replacemen
 
 
 @pytest.mark.timeout(150)
-def test_diloco_groups_that_start_late_wait_for_the_first_one_instead_of_training_apart(tmp_path: Path) -> None:
+def test_diloco_groups_that_start_late_wait_for_the_first_one_and_a_straggler_does_not_rewrite_the_end(
+    tmp_path: Path,
+) -> None:
     """Groups 1 and 2 start together while group 0, started first, trains its first interval alone: they are a
-    majority of the groups heartbeating to the Lighthouse, whose join timeout (1.5 s here) is shorter than the
-    interval (2 s and more), so their quorum forms without group 0. Were they to train in it, two jobs would write the folder
-    and take the same samples; instead they wait until group 0 is in their quorum (at its outer sync), heal from
-    it there (at step 10, or at the last step's sync on a slow machine) and train on with it: every step logged
-    once, by one writer, on one share of the samples."""
+    majority of the groups heartbeating to the Lighthouse, whose join timeout (1 s here) is shorter than the
+    interval (6 s), so their quorum forms without group 0. Were they to train in it, two jobs would write the folder
+    and take the same samples; instead they wait until group 0 is in their quorum (at its outer sync), heal from it
+    and train on with it. Then group 2, which takes 2 of the 4 micro-batches a step (the others 1), reaches the
+    last step's sync 1.5 s after them: they end the job without it, and it ends without writing that step again.
+    Every step is logged once, by one writer, on one share of the samples; the last checkpoint is never replaced."""
     address = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     light_log = open(tmp_path / "lighthouse.log", "wb")
-    flags = ["--join-timeout-ms", "1500", "--heartbeat-timeout-ms", "1000"]
+    flags = ["--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"]
     light = start_ddptrain(["lighthouse", "--bind", address, *flags], stdout=light_log, stderr=subprocess.STDOUT)
-    # 3 micro-batches a step: one per group once they train together (an even share: no group lags at a sync).
-    shape = ["train.global_batch_size=12", "model.kwargs.step_sleep=0.2", "train.max_steps=20"]
-    diloco = [*shape, "train.diloco.every_steps=10"]
-    argv = ["train", *TOY, *diloco, f"run.dir={run_dir}"]
+    shape = ["model.kwargs.step_sleep=0.3", "train.max_steps=10", "ckpt.every_steps=5"]  # 0.3 s a micro-batch
+    argv = ["train", *TOY, *shape, "train.diloco.every_steps=5", f"run.dir={run_dir}"]
     gate = tmp_path / "late-now"
     logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(3)]
     commands = [[sys.executable, "-m", "ddptrain", *argv]] + [[sys.executable, "-c", HELD_BACK, str(gate), *argv]] * 2
@@ -492,9 +493,7 @@ def test_diloco_groups_that_start_late_wait_for_the_first_one_instead_of_trainin
         for n, (command, log) in enumerate(zip(commands, logs)):
             groups.append(subprocess.Popen(command, env=ft_env(n, address), stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 90
-        while (
-            not [r for r in records(run_dir) if r["kind"] == "train"] or not gate.with_name("late-now.ready").exists()
-        ):
+        while not [r for r in records(run_dir) if r["kind"] == "train"] or not gate.with_name("late-now.ready").exists():
             assert time.monotonic() < deadline and groups[0].poll() is None, (tmp_path / "group0.log").read_text()
             time.sleep(0.02)
         gate.touch()  # group 0 is inside its first interval, alone
@@ -508,16 +507,18 @@ def test_diloco_groups_that_start_late_wait_for_the_first_one_instead_of_trainin
         for f in [*logs, light_log]:
             f.close()
     trained = [r for r in records(run_dir) if r["kind"] == "train"]
-    assert [r["step"] for r in trained] == list(range(1, 21))
+    assert [r["step"] for r in trained] == list(range(1, 11))
     events = [r for r in records(run_dir) if r["kind"] == "event"]
     quorums = [(e["groups"], e["step"]) for e in events if e.get("event") == "quorum"]
     assert quorums[0] == ([0], 1) and all(0 in groups for groups, _ in quorums), quorums  # no job without group 0
-    assert all(step % 10 == 1 for _, step in quorums) and quorums[-1][0] == [0, 1, 2], quorums
-    joined = next(step for groups, step in quorums if groups == [0, 1, 2])
-    assert {r["world_size"] for r in trained if r["step"] < joined} == {1}  # group 0 took every sample of them
-    assert {r["world_size"] for r in trained if r["step"] >= joined} == {3}
+    assert ([0, 1, 2], 6) in quorums and all(step % 5 == 1 for _, step in quorums), quorums
+    assert {r["world_size"] for r in trained if r["step"] <= 5} == {1}  # group 0 took every sample of them
+    assert {r["world_size"] for r in trained if r["step"] > 5} == {3}
     heals = [e for e in events if e.get("event") == "heal"]
     assert sorted(e["replica_group"] for e in heals) == [1, 2] and all(e["verified"] for e in heals), heals
     certificate = [json.loads(line) for line in (run_dir / "certificate.jsonl").read_text().splitlines()]
-    assert [c["step"] for c in certificate] == list(range(1, 21))
+    assert [c["step"] for c in certificate] == list(range(1, 11))
     assert "heartbeat outside this quorum: waiting for them to join" in (tmp_path / "group1.log").read_text()
+    straggler = (tmp_path / "group2.log").read_text()
+    assert "ended the job at step 10 without this group's last interval" in straggler, straggler[-3000:]
+    assert ([0, 1], 11) in quorums and not list(run_dir.rglob("*replaced-step*"))

@@ -196,6 +196,10 @@ class Checkpointer:
         self._thread = threading.Thread(target=work, name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
 
+    def holds(self, step: int) -> bool:
+        """Whether the folder holds a committed checkpoint of `step` (its manifest is there)."""
+        return (self.dir / checkpoint_name(step) / MANIFEST).is_file()
+
     def wait(self) -> None:
         """Block until an in-flight async save is committed or failed."""
         if self._thread is not None:

@@ -453,11 +453,23 @@ class InPlace(EveryStep):
     def take_part(self, view: View) -> None:
         """The membership of `view` in what the loop writes: the writer of the folder, the world size, the
         micro-batches taken (share_of)."""
-        self.writer = view.rank == 0
+        self.writer = view.rank == 0 and not self.ended_without_this_group()
         # One group writes the folder for the job (each group's rank 0 still shows its own progress); only its
         # rank 0 logs the steps (log_train), so only it writes the certificate.
         self.loop.metrics.enabled = self.ctx.is_main and self.writer
         self.loop.world_size, self.loop.accum = view.groups * self.ctx.world_size, self.taken
+
+    def ended_without_this_group(self) -> bool:
+        """DiLoCo: whether the job's last step is already saved by the other groups, this group at that step. Its
+        quorum came late to the last outer sync (after the Lighthouse's join timeout) and formed without them once
+        they had finished: its last interval is in no outer step, and it must not write the last step again."""
+        loop, last = self.loop, self.cfg.train.max_steps
+        if self.outer is None or loop.step != last or not loop.checkpointer.holds(last):
+            return False
+        log.warning(
+            "the other groups ended the job at step %d without this group's last interval: it writes nothing", last
+        )
+        return True
 
     def after_commit(self, view: View, summed: torch.Tensor) -> None:
         """Record who took part: the writer of the folder, world size, and any change of membership (a quorum
@@ -471,7 +483,7 @@ class InPlace(EveryStep):
         later = self.outer is not None and bool(self.members) and self.members[0] in members
         if not later:
             self.take_part(view)
-        was, loop.metrics.enabled = loop.metrics.enabled, self.ctx.is_main and view.rank == 0
+        was, loop.metrics.enabled = loop.metrics.enabled, self.ctx.is_main and view.rank == 0 and (later or self.writer)
         if members != self.members or self.discarded:  # who changed, or the same groups after a failed attempt
             old = set(self.members)
             loop.metrics.write(
@@ -488,8 +500,7 @@ class InPlace(EveryStep):
             if loop.metrics.enabled:
                 log.info("step %d: replica groups %s (%d ranks)", loop.step + 1, members, ranks)
             self.members = members
-        if later:
-            loop.metrics.enabled = was
+        loop.metrics.enabled = was if later else self.ctx.is_main and self.writer
         self.discarded, self.evicted = 0, set()
         self.commits += 1
 
