@@ -21,7 +21,8 @@ quorum, vote or cross-group traffic; after every H-th step and the last (`after_
 behind heals: the training state, global weights and outer optimizer, its local weights reset to the global
 ones), the groups' pseudo-gradients and the count of contributing groups summed in fp32 (a group that healed
 there contributes nothing), the vote, the outer step. A lost group's share of its interval is trained by no one
-(docs/slow-links.md#diloco-in-the-in-place-mode---fault-tolerance-torchft).
+(docs/slow-links.md#diloco-in-the-in-place-mode---fault-tolerance-torchft). A process's first quorum holds every
+group heartbeating to the Lighthouse (view_of_every_group), so no group trains an interval apart from the job.
 """
 
 from __future__ import annotations
