@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, help="warm-up rounds per figure, not measured (default 1; smoke 0)")
     p.add_argument("--steps", type=int, help="slow_links: steps per job (default 100)")
     p.add_argument("--rate", help="slow_links: the link rate, as tc tbf takes it (default 50mbit)")
+    p.add_argument("--hosts", type=int, help="slow_links: namespace hosts of one rank each (default 2)")
     p.add_argument("--modes", help="slow_links, goodput: comma-separated modes to run (default all)")
     p.add_argument("--work-dir", type=Path, help="scratch folder (default runs/bench; smoke: OUT/work)")
     args = p.parse_args(argv)
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         fault_for_s=args.fault_for,
         steps=args.steps,
         rate=args.rate,
+        hosts=args.hosts,
         modes=tuple(m.strip() for m in args.modes.split(",")) if args.modes else (),
     )
     fix_threads(1)

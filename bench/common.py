@@ -53,6 +53,7 @@ class Options:
     fault_for_s: float = 300.0  # ... for this long
     steps: int | None = None  # slow_links: steps per job (default its STEPS)
     rate: str | None = None  # slow_links: the hosts' link rate (default its RATE)
+    hosts: int | None = None  # slow_links: namespace hosts, one rank each (default its HOSTS)
     modes: tuple[str, ...] = ()  # slow_links, goodput: the modes to run (default all)
 
     def order(self, names: Sequence[str], r: int) -> list[str]:

@@ -6,7 +6,9 @@ Variants, each a whole `ddptrain train` job per round, in alternating order (A B
   step, gradients summed across the groups through torchft, a stats sum, a commit vote).
 A round's step time is the median interval between consecutive steps' records after the first
 `SKIP` (log.every_steps=1 in both: a record per step); the figure is the per-round ratio in-place /
-ddp, for the default model and for the tiny model (where the loop's own costs show). One last
+ddp, for the default model and for the tiny model (where the loop's own costs show). A third pair trains DiLoCo
+(H=10, the default model) in both, plain DiLoCo in 2 groups of 1 rank: the ratio of their inner steps is what
+fault tolerance costs a step without a quorum, vote or cross-group traffic (issue 37's <= 1%). One last
 in-place run of each model times group 0's session calls (bench/ft_session_timer.py): the median
 milliseconds per step of the quorum, the wait for the cross-group gradient sums after backward, the
 stats sum and the commit vote say where a cost above the target goes (the gradient sum replaces DDP's
@@ -22,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ from bench.ft_jobs import child_env, read_jsonl
 LIGHTHOUSE = "127.0.0.1:29520"
 RUN = ["train.eval_every=0", "ckpt.every_steps=0", "log.every_steps=1", "dist.watchdog=false"]
 SKIP = 5  # warm-up steps left out of the median
+DILOCO_H = 10
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -77,10 +81,19 @@ def session_costs(timings: Path) -> dict[str, float]:
     return {name: 1000 * statistics.median(v[SKIP:]) for name, v in seconds.items() if len(v) > SKIP}
 
 
-def _measure(folder: Path, model: list[str], steps: int, opts: Options) -> dict[str, list[float]]:
-    args = [*RUN, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}"]
+def _measure(
+    folder: Path, model: list[str], steps: int, opts: Options, diloco: tuple[str, ...] = ()
+) -> dict[str, list[float]]:
+    """Per-round step times of plain DDP and the in-place mode; with `diloco` (train.diloco settings) both train
+    DiLoCo, plain DDP in 2 groups of 1 rank (the in-place mode's replica groups are its groups), and the median
+    interval between steps is an inner step's."""
+    args = [*RUN, *model, f"train.max_steps={steps}", f"data.dir={opts.data_dir}", *diloco]
     folder.mkdir(parents=True, exist_ok=True)
-    variants = {"ddp": _ddp, "in-place": _in_place}
+    groups = ["train.diloco.groups=2"] if diloco else []
+    variants: dict[str, Callable[[Path, list[str], Path], None]] = {
+        "ddp": lambda run_dir, a, log: _ddp(run_dir, [*a, *groups], log),
+        "in-place": _in_place,
+    }
     out: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(opts.rounds):
         for name in opts.order(list(variants), r):
@@ -89,6 +102,24 @@ def _measure(folder: Path, model: list[str], steps: int, opts: Options) -> dict[
             variants[name](run_dir, args, folder / f"{name}.log")
             out[name].append(step_time(run_dir))
     return out
+
+
+def _diloco_row(folder: Path, opts: Options) -> tuple[Row, dict[str, list[float]]]:
+    """Issue 37's figure: an inner step of in-place DiLoCo against one of plain DiLoCo (the default model, H=10):
+    what fault tolerance costs a step that has no quorum, vote or cross-group traffic."""
+    seconds = _measure(folder / "diloco", DEFAULT_MODEL, 40, opts, (f"train.diloco.every_steps={DILOCO_H}",))
+    stats = summary([100 * (a / b - 1) for a, b in zip(seconds["in-place"], seconds["ddp"])])
+    note = f"default model, H={DILOCO_H}, plain DiLoCo inner step {1000 * statistics.median(seconds['ddp']):.1f} ms"
+    row = Row(
+        "in-place overhead (2 ranks)",
+        "DiLoCo inner step vs plain DiLoCo",
+        stats,
+        "%",
+        "<= 1%",
+        stats["median"] <= 1,
+        note,
+    )
+    return row, seconds
 
 
 def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
@@ -123,4 +154,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             Row("in-place overhead (2 ranks)", f"{label}: {call} per step", summary([ms]), "ms", note="group 0, median")
             for call, ms in costs.items()
         ]
+    if not opts.smoke:
+        row, data["diloco"] = _diloco_row(folder, opts)
+        rows.append(row)
     return rows, data

@@ -108,11 +108,13 @@ def samples_per_s(records: list[dict[str, Any]], warm: int) -> float:
     return float((last["step"] - first["step"]) * last["global_batch_size"] / (last["time"] - first["time"]))
 
 
-def run_job(folder: Path, train: list[str], rate: str | None, warm: int, timeout_s: float) -> dict[str, Any]:
+def run_job(
+    folder: Path, train: list[str], rate: str | None, warm: int, timeout_s: float, hosts: int = HOSTS
+) -> dict[str, Any]:
     """One job to its end on fresh hosts (rate-limited unless rate is None): samples/s, val loss, outer syncs."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    job = RestartJob(folder, HOSTS, train, HOSTS)
+    job = RestartJob(folder, hosts, train, hosts)
     try:
         if rate:
             for node in job.cluster.nodes:
@@ -153,8 +155,8 @@ def job_figures(records: list[dict[str, Any]], warm: int) -> dict[str, Any]:
     }
 
 
-def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool, rate: str) -> list[Row]:
-    figure = f"slow links ({HOSTS} hosts, {'no limit: smoke' if smoke else rate})"
+def _rows(results: dict[str, list[dict[str, Any]]], smoke: bool, rate: str, hosts: int) -> list[Row]:
+    figure = f"slow links ({hosts} hosts, {'no limit: smoke' if smoke else rate})"
     free = summary([r["samples_per_s"] for r in results[UNLIMITED]])["median"]
     sync_loss = results[UNLIMITED][0]["val_loss"]  # every synchronous mode computes the same losses
     ddp_bytes = next((runs[0]["outer_sync_bytes"] for name, runs in results.items() if name in FP32_DILOCO), 0)
@@ -197,19 +199,20 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
     """Rows: each mode's samples/s on the limited link, its ratio to the unlimited-link synchronous rate and its
     validation loss against synchronous DDP's; data: every job's figures."""
     modes = SMOKE_MODES if opts.smoke else {m: MODES[m] for m in chosen_modes(opts, MODES, "slow_links")}
-    rate = opts.rate or RATE
+    rate, hosts = opts.rate or RATE, opts.hosts or HOSTS
     variants = {UNLIMITED: ([], None), **{m: (extra, None if opts.smoke else rate) for m, extra in modes.items()}}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     folder = opts.work_dir / "slow_links"
     for r in range(1 if opts.smoke else opts.warmup + opts.rounds):
         for name in opts.order(list(variants), r):
-            extra, rate = variants[name]
+            extra, limit = variants[name]
             print(f"slow_links: round {r}: {name} ...", file=sys.stderr, flush=True)
             slug = name.replace(" ", "_").replace("=", "").replace(",", "")
             timeout_s = max(
                 900, 2 * (opts.steps or STEPS)
             )  # the synchronous fp32 job on the limited link: ~2.3 s a step
-            result = run_job(folder / slug, [*job_args(opts), *extra], rate, 0 if opts.smoke else WARM_STEPS, timeout_s)
+            warm = 0 if opts.smoke else WARM_STEPS
+            result = run_job(folder / slug, [*job_args(opts), *extra], limit, warm, timeout_s, hosts)
             if opts.smoke or r >= opts.warmup:
                 results[name].append(result)
-    return _rows(results, opts.smoke, rate), {"results": results, "rate": rate, "hosts": HOSTS}
+    return _rows(results, opts.smoke, rate, hosts), {"results": results, "rate": rate, "hosts": hosts}
