@@ -356,8 +356,9 @@ class DiLoCo(EveryStep):
         if was != now:
             raise CheckpointError(
                 f"cannot resume DiLoCo under dist.strategy={now} from a checkpoint saved under dist.strategy={was}: "
-                f"each rank's own weights and inner optimizer (diloco-rank<r>.pt) are {was}'s; resume with "
-                f"dist.strategy={was}, or start a new folder from its global weights (model.init_from)"
+                "each rank's own weights and inner optimizer (diloco-rank<r>.pt) are saved as that strategy holds "
+                f"them (whole under ddp, shards under fsdp); resume with dist.strategy={was}, or start a new folder "
+                "from its global weights (model.init_from)"
             )
         return saved, local[DILOCO_STATE]
 
@@ -378,6 +379,6 @@ class DiLoCo(EveryStep):
     def replica_groups(self) -> list[list[int]]:
         """Each group's ranks (groups of several): they hold the same weights and inner optimizer at every step; the
         groups differ between outer syncs. None under FSDP: a group's ranks hold different shards."""
-        if self.size == 1 or is_sharded(self.loop.model):
+        if self.size == 1 or self.cfg.dist.strategy == "fsdp":
             return []
         return [list(range(g * self.size, (g + 1) * self.size)) for g in range(self.groups)]
