@@ -56,6 +56,8 @@ from ddptrain.train.sync.diloco_shards import (
     as_dtensor,
     as_dtensors,
     full,
+    full_shape,
+    local_shape,
     local_shard,
     local_tree,
     map_optimizer_state,
@@ -90,11 +92,6 @@ def outer_optimizer(params: list[torch.Tensor], cfg: DiLoCoConfig) -> torch.opti
 
 
 SHAPE_BEFORE = {"fragments": 1, "delay_steps": 0}  # what checkpoints saved before a key of describe() was there meant
-
-
-def _shape_of(param: torch.Tensor) -> torch.Size:
-    """A parameter's full shape (a DTensor's global one): the shape of its state tensors in a checkpoint."""
-    return param.shape
 
 
 def _shape(sync: dict[str, Any]) -> str:
@@ -292,8 +289,7 @@ class DiLoCo(EveryStep):
         }
         # A tied weight is in the state dict under each of its names: each name gets the global tensor.
         shared["model"] = {k: self.full_global(k, v) for k, v in shared["model"].items()}
-        shaped = self.own_shape
-        shared["optimizer"] = map_optimizer_state(self.outer.state_dict(), self.local_params, full, shaped)
+        shared["optimizer"] = map_optimizer_state(self.outer.state_dict(), self.local_params, full, local_shape)
         record = {**self.describe(), "syncs": self.syncs, "strategy": self.cfg.dist.strategy}
         shared["trainer"] = {**trainer, "sync": record}
 
@@ -305,11 +301,6 @@ class DiLoCo(EveryStep):
             return full(local_shard(value), value)
         return full(self.global_params[i], self.local_params[i])
 
-    @staticmethod
-    def own_shape(param: torch.Tensor) -> torch.Size:
-        """The shape of this rank's part of a parameter (its local shard's under FSDP): its state tensors' shape."""
-        return local_shard(param).shape
-
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
         """Global weights and outer optimizer from the shared state (under FSDP this rank's shards of them), and the
         shared state the Trainer loads with this rank's own weights, inner optimizer and loss scale in it (under FSDP
@@ -320,7 +311,7 @@ class DiLoCo(EveryStep):
         with torch.no_grad():
             for name, g, p in zip(self.names, self.global_params, self.local_params):
                 g.copy_(shard_of(shared["model"][name], p))
-        self.outer.load_state_dict(map_optimizer_state(shared["optimizer"], self.local_params, shard_of, _shape_of))
+        self.outer.load_state_dict(map_optimizer_state(shared["optimizer"], self.local_params, shard_of, full_shape))
         for group in self.outer.param_groups:  # the config's outer settings win (a documented change at resume)
             group.update(lr=self.diloco.outer_lr, momentum=self.diloco.outer_momentum)
             group.update(nesterov=self.diloco.outer_momentum > 0)
@@ -332,7 +323,7 @@ class DiLoCo(EveryStep):
         model, optimizer = self.loop.model, self.loop.optimizer
         model.load_state_dict(as_dtensors(own["model"], model.state_dict()))
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        load_optimizer_state(optimizer, map_optimizer_state(own["optimizer"], params, as_dtensor, self.own_shape))
+        load_optimizer_state(optimizer, map_optimizer_state(own["optimizer"], params, as_dtensor, local_shape))
         return {"trainer": trainer}  # model and optimizer loaded: the Trainer loads the rest
 
     def check_saved(

@@ -29,6 +29,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of this rank's part of a parameter (its local shard's under FSDP): its own state tensors' shape."""
+    return local_shard(param).shape
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's full shape (a DTensor's global one): its state tensors' shape in a checkpoint's shared state."""
+    return param.shape
+
+
 def full(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The full tensor whose local shard on this rank is `shard`, laid out as parameter `like` (a collective over
     its mesh, every rank of the group in the same order); `shard` itself when `like` is not a DTensor."""
