@@ -266,7 +266,7 @@ def build_run(
         lease_name = group_lease(in_place.replica_group)
     run_dir = cfg.run_dir
     require_packages(cfg.log)  # every rank, before any collective: all of them stop on a missing extra
-    writer = checkpoint_format(cfg.ckpt.format, cfg.dist.strategy)  # so is a format that cannot save this strategy
+    writer = checkpoint_format(cfg.ckpt.format, cfg.saved_strategy)  # so is a format that cannot save this state
     check_backend(cfg.dist, ctx.backend)  # and a gradient compression the backend cannot all-reduce
     check_collate(cfg.data)  # and a data.collate that does not import
     cfg, model, datasets = settle_sources(cfg, model, datasets)  # config.yaml says where they came from

@@ -114,7 +114,7 @@ def test_train_refuses_values_that_cannot_train(
 
 
 DILOCO = [
-    (["dist.strategy=fsdp"], "train.diloco trains each group with DDP: dist.strategy=fsdp is not supported with it"),
+    (["dist.strategy=hsdp", "dist.shard_size=1"], "train.diloco trains each group with DDP or FSDP over its own ranks: dist.strategy=hsdp is not supported with it"),
     (["dist.grad_compression=powersgd"], "dist.grad_compression=powersgd is not supported with it"),
     (["ckpt.format=dcp"], "ckpt.format=dcp is not supported with it"),
     (["train.eval_every=3"], "train.eval_every=3 must be a multiple of train.diloco.every_steps=2"),
@@ -158,9 +158,9 @@ def _files(folder: Path) -> dict[str, int]:
 def test_a_diloco_checkpoint_resumes_only_as_it_was_saved(
     tiny: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A change of every_steps, of the groups, of the fragments or of delay_steps, and leaving DiLoCo are refused in
-    one line, leaving the folder as it was; its checkpoints hold this rank's own state (diloco-rank0.pt) beside the
-    global weights. (Trained in 2 fragments sent in int8: fragment 1 syncs after step 2, both after 3.)"""
+    """A change of every_steps, of the groups, of the fragments, of delay_steps or of dist.strategy, and leaving
+    DiLoCo are refused in one line, leaving the folder as it was; its checkpoints hold this rank's own state
+    (diloco-rank0.pt) beside the global weights. (Trained in 2 fragments sent in int8: fragment 1 syncs after step 2, both after 3.)"""
     streaming = ["train.diloco.every_steps=4", "train.diloco.fragments=2", "train.diloco.outer_dtype=int8"]
     assert main(["train", *tiny, *streaming, "train.max_steps=3", "ckpt.every_steps=3"]) == 0
     capsys.readouterr()
@@ -175,6 +175,8 @@ def test_a_diloco_checkpoint_resumes_only_as_it_was_saved(
     assert_one_line_exit_2([*again, "train.diloco.every_steps=4", "train.diloco.outer_dtype=int8"], refused, capsys)
     refused = f"every_steps=4, 1 group(s), fragments=2, delay_steps=1) {saved}"
     assert_one_line_exit_2([*again, *streaming, "train.diloco.delay_steps=1"], refused, capsys)
+    refused = "cannot resume DiLoCo under dist.strategy=fsdp from a checkpoint saved under dist.strategy=ddp"
+    assert_one_line_exit_2([*again, *streaming, "dist.strategy=fsdp"], refused, capsys)  # its own state: whole
     assert_one_line_exit_2(again, "cannot resume without train.diloco from a checkpoint DiLoCo saved", capsys)
     after = _files(run)
     assert {k: v for k, v in after.items() if not k.startswith("logs/")} == {

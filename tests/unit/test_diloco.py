@@ -1,6 +1,7 @@
 """DiLoCo's outer step against a hand computation (two groups simulated in this process), and the sample stream:
 at any number of groups, the groups together take each sample of every global batch once; the outer dtype's
-rounding and the mean over groups (simulated), and the fragments' schedule."""
+rounding and the mean over groups (simulated), the fragments' schedule, and how an optimizer's state is mapped for
+a checkpoint under FSDP."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.ft_env import FaultToleranceEnv
 from ddptrain.train.sync import build_sync
 from ddptrain.train.sync.diloco import outer_optimizer, outer_update, pseudo_gradient
+from ddptrain.train.sync.diloco_shards import local_tree, map_optimizer_state
 from ddptrain.train.sync.fragments import fragments_due, split_fragments, sync_plan
 from ddptrain.train.sync.in_place import check_in_place
 from ddptrain.train.sync.outer_dtype import (
@@ -245,6 +247,28 @@ def test_one_outer_optimizer_steps_each_fragment_as_its_own_optimizer_would() ->
             theirs = [apart[i] for i in frags[f]]
             outer_update(own[f], theirs, pseudo_gradient(theirs, [apart[i] + 0.1 * step * (i + 1) for i in frags[f]]))
     assert all(torch.equal(a, b) for a, b in zip(shared, apart))
+
+
+def test_an_optimizer_state_maps_its_parameters_shaped_tensors_and_keeps_the_rest() -> None:
+    """What a DiLoCo checkpoint under FSDP gathers, cuts or rebuilds of an optimizer's state (diloco_shards.py):
+    the tensors shaped like their parameter's part (SGD's momentum, AdamW's moments), never a step count; and a
+    rank's own state keeps its structure (a state dict's _metadata) when its DTensors become local tensors."""
+    params = [torch.zeros(3, 2), torch.zeros(1)]
+    step, moment = torch.tensor(5.0), torch.ones(1)
+    state = {
+        "state": {0: {"step": step, "exp_avg": torch.ones(3, 2), "momentum_buffer": None}, 1: {"exp_avg": moment}},
+        "param_groups": [{"params": [0, 1], "lr": 0.1}],
+    }
+    mapped = map_optimizer_state(state, params, lambda t, p: t + p.numel(), lambda p: p.shape)
+    assert mapped["param_groups"] == state["param_groups"]
+    assert mapped["state"][0]["step"] is step and mapped["state"][0]["momentum_buffer"] is None
+    assert torch.equal(mapped["state"][0]["exp_avg"], torch.full((3, 2), 7.0))
+    assert torch.equal(mapped["state"][1]["exp_avg"], torch.full((1,), 2.0))  # a 1-value moment, not a step
+    assert torch.equal(state["state"][1]["exp_avg"], moment) and moment.item() == 1.0  # the input is unchanged
+    model = torch.nn.Linear(2, 3).state_dict()
+    kept = local_tree({"model": model, "order": (1, [2])})
+    assert kept["model"]._metadata == model._metadata and kept["order"] == (1, [2])
+    assert all(kept["model"][k] is v for k, v in model.items())  # no DTensor: the same tensors
 
 
 # ---- delay_steps: a sync overlapping inner steps ------------------------------------------------------

@@ -110,7 +110,7 @@ class Config(Section):
             return self
         h, p, tau = diloco.every_steps, diloco.fragments, diloco.delay_steps
         refusals = [
-            (d.strategy != "ddp", f"trains each group with DDP: dist.strategy={d.strategy} is not supported with it"),
+            (d.strategy == "hsdp", "trains each group with DDP or FSDP over its own ranks: dist.strategy=hsdp is not supported with it (its replicas across shard groups are what DiLoCo's groups replace: use fsdp, which shards each group over its ranks)"),
             (d.grad_compression == "powersgd", "sends weights, not gradients, across groups: dist.grad_compression=powersgd is not supported with it (fp16 compresses the all-reduce inside a group)"),
             (self.ckpt.format == "dcp", "saves each rank's own weights beside the global ones: ckpt.format=dcp is not supported with it (use auto or sharded)"),
             (t.eval_every % h != 0, f"evaluates the global weights, which every group holds at an outer sync only: train.eval_every={t.eval_every} must be a multiple of train.diloco.every_steps={h} (or 0)"),
@@ -129,6 +129,13 @@ class Config(Section):
     def sync_kind(self) -> str:
         """How the ranks synchronize (config/kinds.py's SYNCS): DiLoCo when train.diloco.every_steps is set."""
         return "diloco" if self.train.diloco is not None and self.train.diloco.on else EVERY_STEP
+
+    @property
+    def saved_strategy(self) -> str:
+        """The dist.strategy whose state a checkpoint of this run saves as (what ckpt.format must be able to write):
+        DiLoCo's shared state (the global weights, the outer optimizer) is full and the same on every rank, as
+        DDP's is, whatever dist.strategy; otherwise dist.strategy."""
+        return "ddp" if self.sync_kind == "diloco" else self.dist.strategy
 
     @property
     def run_dir(self) -> Path:

@@ -70,7 +70,7 @@ class DiLoCoConfig(Section):
     groups: int = Field(
         0,
         ge=0,
-        description="DiLoCo groups, each training with DDP over its own ranks: 0 is one group per node (torchrun's LOCAL_WORLD_SIZE ranks), N splits the world into N groups of consecutive ranks (N must divide the world size).",
+        description="DiLoCo groups, each training with DDP (or, dist.strategy=fsdp, FSDP) over its own ranks: 0 is one group per node (torchrun's LOCAL_WORLD_SIZE ranks), N splits the world into N groups of consecutive ranks (N must divide the world size).",
     )
     outer_dtype: Literal["fp32", "bf16", "int8"] = Field(
         "fp32",

@@ -1,9 +1,10 @@
 """DiLoCo (arXiv 2311.08105): groups of ranks train apart for H steps, then agree on their weights in one outer step.
 
 Groups: train.diloco.groups of consecutive ranks (0: one group per node, torchrun's LOCAL_WORLD_SIZE ranks). Inside
-a group the ranks train with DDP over the group's own process group (gradient accumulation as always); the groups
-exchange nothing between outer syncs. After every H-th step (train.diloco.every_steps) and the run's last one
-(train.max_steps), each rank, with the counterparts of its index in the other groups:
+a group the ranks train with DDP over the group's own process group, or with dist.strategy=fsdp sharded over it by
+FSDP2 (gradient accumulation as always); the groups exchange nothing between outer syncs. After every H-th step
+(train.diloco.every_steps) and the run's last one (train.max_steps), each rank, with the counterparts of its index in
+the other groups (under FSDP on its local shards: diloco_shards.py):
 
   pseudo-gradient   d = global - local                      (one flat buffer: the trainable parameters)
   mean              d = sum over the groups of d / groups   (the only bytes that cross between groups: in
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -47,7 +49,20 @@ from ddptrain.config.train import DiLoCoConfig, outer_payload_bytes
 from ddptrain.dist import DistContext
 from ddptrain.errors import CheckpointError, ConfigError
 from ddptrain.ft_env import FaultToleranceEnv
+from ddptrain.train.optim import load_optimizer_state
+from ddptrain.train.parallel import is_sharded
 from ddptrain.train.sync.base import Loop
+from ddptrain.train.sync.diloco_shards import (
+    as_dtensor,
+    as_dtensors,
+    full,
+    full_shape,
+    local_shape,
+    local_shard,
+    local_tree,
+    map_optimizer_state,
+    shard_of,
+)
 from ddptrain.train.sync.every_step import EveryStep
 from ddptrain.train.sync.fragments import split_fragments, sync_plan
 from ddptrain.train.sync.outer_dtype import Exchange, start
@@ -102,8 +117,8 @@ class InFlight:
 
 
 class DiLoCo(EveryStep):
-    """DDP inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across the groups
-    every train.diloco.every_steps steps; see the module docstring."""
+    """DDP (or FSDP) inside each group every step (dist.grad_compression=fp16 compresses it), an outer step across
+    the groups every train.diloco.every_steps steps; see the module docstring."""
 
     def __init__(self, cfg: Config, ctx: DistContext, ft: FaultToleranceEnv | None = None) -> None:
         super().__init__(cfg, ctx, ft)
@@ -115,8 +130,9 @@ class DiLoCo(EveryStep):
         self.inner = ctx  # the group's ranks, once setup() made its process group (one process: the process)
         self.across: dist.ProcessGroup | None = None  # this rank and its counterparts in the other groups
         self.names: list[str] = []
-        self.local_params: list[torch.Tensor] = []
-        self.global_params: list[torch.Tensor] = []
+        self.slots: dict[str, int] = {}  # every name of a trainable parameter (a tied one's too): its index
+        self.local_params: list[torch.Tensor] = []  # the trainable parameters (DTensors under FSDP)
+        self.global_params: list[torch.Tensor] = []  # their global weights (this rank's shards under FSDP)
         self.outer: torch.optim.SGD | None = None
         self.fragments: list[range] = []  # each fragment's indices into the trainable parameters
         self.syncs = 0  # outer syncs applied so far (checkpointed)
@@ -146,8 +162,8 @@ class DiLoCo(EveryStep):
                 self.across = across
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP over the group's ranks; ConfigError (exit 2, before anything is written) for more fragments than
-        trainable parameter tensors."""
+        """DDP over the group's ranks (with dist.strategy=fsdp: sharded over them by FSDP2); ConfigError (exit 2,
+        before anything is written) for more fragments than trainable parameter tensors."""
         count = sum(1 for p in model.parameters() if p.requires_grad)
         if self.diloco.fragments > count:
             raise ConfigError(
@@ -162,14 +178,23 @@ class DiLoCo(EveryStep):
         trainable = [(n, p) for n, p in loop.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.local_params = [p for _, p in trainable]
-        self.global_params = [p.detach().clone() for p in self.local_params]
+        index = {id(p): i for i, p in enumerate(self.local_params)}
+        every_name = loop.model.named_parameters(remove_duplicate=False)
+        self.slots = {n: index[id(p)] for n, p in every_name if id(p) in index}
+        self.global_params = [t.clone() for t in self.own(range(len(self.local_params)))]
         self.outer = outer_optimizer(self.global_params, self.diloco)
+        # By the full sizes (a DTensor's numel): the same fragments on every rank, whatever its shards.
         self.fragments = split_fragments([p.numel() for p in self.local_params], self.diloco.fragments)
-        full = outer_payload_bytes(sum(p.numel() for p in self.local_params), "fp32")
+        whole = outer_payload_bytes(sum(t.numel() for t in self.global_params), "fp32")
         log.info(
             "train.diloco: %d fragment(s) in %s: %.4g MB per outer sync (the largest fragment) instead of %.4g MB",
-            self.diloco.fragments, self.diloco.outer_dtype, self.sync_bytes / 1e6, full / 1e6,
+            self.diloco.fragments, self.diloco.outer_dtype, self.sync_bytes / 1e6, whole / 1e6,
         )  # fmt: skip
+
+    def own(self, indices: Iterable[int]) -> list[torch.Tensor]:
+        """This rank's own weights of the trainable parameters `indices` (under FSDP its local shards), detached and
+        sharing their storage: what the pseudo-gradient reads and a sync overwrites."""
+        return [local_shard(self.local_params[i].detach()) for i in indices]
 
     def begin(self) -> None:
         """A fresh start (or model.init_from): the global weights are the first step's weights, the same everywhere.
@@ -177,14 +202,14 @@ class DiLoCo(EveryStep):
         the groups: every rank resumed the same step, so every rank has the same one in flight)."""
         if not self.loaded:
             with torch.no_grad():
-                for g, p in zip(self.global_params, self.local_params):
+                for g, p in zip(self.global_params, self.own(range(len(self.local_params)))):
                     g.copy_(p)
         saved, self.saved_flight = self.saved_flight, None
         if saved is not None:
             fragments = [int(f) for f in saved["fragments"]]
             indices = [i for f in fragments for i in self.fragments[f]]
-            numel = sum(self.local_params[i].numel() for i in indices)
-            sent = saved["sent"].to(self.local_params[0].device)
+            numel = sum(self.global_params[i].numel() for i in indices)
+            sent = saved["sent"].to(self.global_params[0].device)
             self.in_flight = InFlight(
                 fragments, indices, Exchange(sent, saved["dtype"], numel, self.across, self.groups)
             )
@@ -208,7 +233,7 @@ class DiLoCo(EveryStep):
         """Start the sync of `fragments`: this rank's pseudo-gradient of their trainable parameters, on its way to
         the other groups (in train.diloco.outer_dtype)."""
         indices = [i for f in fragments for i in self.fragments[f]]
-        delta = pseudo_gradient([self.global_params[i] for i in indices], [self.local_params[i] for i in indices])
+        delta = pseudo_gradient([self.global_params[i] for i in indices], self.own(indices))
         exchange = start(delta, self.diloco.outer_dtype, self.across, self.groups)
         self.sent_bytes += exchange.sent.numel() * exchange.sent.element_size()
         return InFlight(fragments, indices, exchange)
@@ -225,16 +250,16 @@ class DiLoCo(EveryStep):
         global_params = [self.global_params[i] for i in flight.indices]
         outer_update(self.outer, global_params, flight.exchange.mean())
         with torch.no_grad():
-            for g, i in zip(global_params, flight.indices):
-                self.local_params[i].copy_(g)
+            for g, p in zip(global_params, self.own(flight.indices)):
+                p.copy_(g)
         self.syncs += 1
 
     @property
     def sync_bytes(self) -> int:
         """Bytes of one rank's payload in an outer sync of the largest fragment (all of them at the last step), in
         outer_dtype: fp32's all-reduce moves 2 (G - 1) / G of them over each rank's link, bf16's and int8's
-        all-gather G - 1."""
-        sizes = [sum(self.local_params[i].numel() for i in f) for f in self.fragments] or [0]
+        all-gather G - 1. Under FSDP this rank's shards of them."""
+        sizes = [sum(self.global_params[i].numel() for i in f) for f in self.fragments] or [0]
         return outer_payload_bytes(max(sizes), self.diloco.outer_dtype)
 
     def describe(self) -> dict[str, Any]:
@@ -250,30 +275,62 @@ class DiLoCo(EveryStep):
     def checkpoint(self, shared: dict[str, Any], local: dict[str, Any]) -> None:
         """Shared: the global weights as `model`, the outer optimizer as `optimizer`, the sync count; this rank's
         `diloco` object: its local weights, inner optimizer and loss scale, and the sync in flight if one is (its
-        fragments and this rank's payload: a resume launches it again)."""
+        fragments and this rank's payload: a resume launches it again). Under FSDP the shared tensors are gathered
+        full over the group (collectives, every rank of it in the same order) and the rank's own are its shards."""
         super().checkpoint(shared, local)
         assert self.outer is not None
         trainer = shared["trainer"]
         flight = self.in_flight.state() if self.in_flight is not None else None
         local[DILOCO_STATE] = {
-            "model": shared["model"],
-            "optimizer": shared["optimizer"],
+            "model": local_tree(shared["model"]),
+            "optimizer": local_tree(shared["optimizer"]),
             "scaler": trainer["scaler"],
             "in_flight": flight,
         }
-        by_storage = {p.data_ptr(): g for p, g in zip(self.local_params, self.global_params)}
         # A tied weight is in the state dict under each of its names: each name gets the global tensor.
-        shared["model"] = {k: by_storage.get(v.data_ptr(), v) for k, v in shared["model"].items()}
-        shared["optimizer"] = self.outer.state_dict()
-        shared["trainer"] = {**trainer, "sync": {**self.describe(), "syncs": self.syncs}}
+        shared["model"] = {k: self.full_global(k, v) for k, v in shared["model"].items()}
+        shared["optimizer"] = map_optimizer_state(self.outer.state_dict(), self.local_params, full, local_shape)
+        record = {**self.describe(), "syncs": self.syncs, "strategy": self.cfg.dist.strategy}
+        shared["trainer"] = {**trainer, "sync": record}
+
+    def full_global(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The shared `model` entry `name` of the model's state dict (`value`): a trainable parameter's global
+        weights, any other entry as it is; full tensors (under FSDP gathered over the group)."""
+        i = self.slots.get(name)
+        if i is None:
+            return full(local_shard(value), value)
+        return full(self.global_params[i], self.local_params[i])
 
     def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
-        """Global weights and outer optimizer from the shared state, and the shared state the Trainer loads with
-        this rank's own weights, inner optimizer and loss scale in it; CheckpointError (exit 2) for a checkpoint of
-        another train.diloco.every_steps, group count, fragment count or delay_steps, of another world size, or
-        without DiLoCo."""
+        """Global weights and outer optimizer from the shared state (under FSDP this rank's shards of them), and the
+        shared state the Trainer loads with this rank's own weights, inner optimizer and loss scale in it (under FSDP
+        loaded here, in place); CheckpointError (exit 2) for a checkpoint of another train.diloco.every_steps, group
+        count, fragment count or delay_steps, of another world size or strategy (DDP or FSDP), or without DiLoCo."""
         assert self.outer is not None
-        saved = shared["trainer"].get("sync")
+        saved, own = self.check_saved(shared["trainer"].get("sync"), local)
+        with torch.no_grad():
+            for name, g, p in zip(self.names, self.global_params, self.local_params):
+                g.copy_(shard_of(shared["model"][name], p))
+        self.outer.load_state_dict(map_optimizer_state(shared["optimizer"], self.local_params, shard_of, full_shape))
+        for group in self.outer.param_groups:  # the config's outer settings win (a documented change at resume)
+            group.update(lr=self.diloco.outer_lr, momentum=self.diloco.outer_momentum)
+            group.update(nesterov=self.diloco.outer_momentum > 0)
+        self.syncs, self.loaded = int(saved["syncs"]), True
+        self.saved_flight = own.get("in_flight")  # saved before delay_steps: none
+        trainer = {**shared["trainer"], "scaler": own["scaler"]}
+        if not is_sharded(self.loop.model):
+            return {**shared, "model": own["model"], "optimizer": own["optimizer"], "trainer": trainer}
+        model, optimizer = self.loop.model, self.loop.optimizer
+        model.load_state_dict(as_dtensors(own["model"], model.state_dict()))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        load_optimizer_state(optimizer, map_optimizer_state(own["optimizer"], params, as_dtensor, local_shape))
+        return {"trainer": trainer}  # model and optimizer loaded: the Trainer loads the rest
+
+    def check_saved(
+        self, saved: dict[str, Any] | None, local: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the checkpoint's DiLoCo record, this rank's own state) when this run can resume them; CheckpointError
+        (exit 2) otherwise."""
         mine = self.describe()
         if saved is None or {k: saved.get(k, SHAPE_BEFORE.get(k)) for k in mine} != mine:
             had = _shape(saved) if saved else "no train.diloco"
@@ -286,19 +343,15 @@ class DiLoCo(EveryStep):
                 "cannot resume DiLoCo at another world size: each rank's weights and inner optimizer are saved per "
                 "rank (diloco-rank<r>.pt); resume with the world size that saved the checkpoint"
             )
-        model = shared["model"]
-        with torch.no_grad():
-            for name, g in zip(self.names, self.global_params):
-                g.copy_(model[name])
-        self.outer.load_state_dict(shared["optimizer"])
-        for group in self.outer.param_groups:  # the config's outer settings win (a documented change at resume)
-            group.update(lr=self.diloco.outer_lr, momentum=self.diloco.outer_momentum)
-            group.update(nesterov=self.diloco.outer_momentum > 0)
-        self.syncs, self.loaded = int(saved["syncs"]), True
-        own = local[DILOCO_STATE]
-        self.saved_flight = own.get("in_flight")  # saved before delay_steps: none
-        trainer = {**shared["trainer"], "scaler": own["scaler"]}
-        return {**shared, "model": own["model"], "optimizer": own["optimizer"], "trainer": trainer}
+        was, now = saved.get("strategy", "ddp"), self.cfg.dist.strategy  # saved before fsdp was allowed: ddp
+        if was != now:
+            raise CheckpointError(
+                f"cannot resume DiLoCo under dist.strategy={now} from a checkpoint saved under dist.strategy={was}: "
+                "each rank's own weights and inner optimizer (diloco-rank<r>.pt) are saved as that strategy holds "
+                f"them (whole under ddp, shards under fsdp); resume with dist.strategy={was}, or start a new folder "
+                "from its global weights (model.init_from)"
+            )
+        return saved, local[DILOCO_STATE]
 
     def logged(self) -> dict[str, Any]:
         """outer_syncs applied so far, outer_sync_bytes (one rank's payload in a sync of the largest fragment),
@@ -316,7 +369,7 @@ class DiLoCo(EveryStep):
 
     def replica_groups(self) -> list[list[int]]:
         """Each group's ranks (groups of several): they hold the same weights and inner optimizer at every step; the
-        groups differ between outer syncs."""
-        if self.size == 1:
+        groups differ between outer syncs. None under FSDP: a group's ranks hold different shards."""
+        if self.size == 1 or self.cfg.dist.strategy == "fsdp":
             return []
         return [list(range(g * self.size, (g + 1) * self.size)) for g in range(self.groups)]
