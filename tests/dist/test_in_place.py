@@ -472,18 +472,18 @@ def test_diloco_groups_that_start_late_wait_for_the_first_one_and_a_straggler_do
 ) -> None:
     """Groups 1 and 2 start together while group 0, started first, trains its first interval alone: they are a
     majority of the groups heartbeating to the Lighthouse, whose join timeout (1 s here) is shorter than the
-    interval (6 s), so their quorum forms without group 0. Were they to train in it, two jobs would write the folder
+    interval (8 s), so their quorum forms without group 0. Were they to train in it, two jobs would write the folder
     and take the same samples; instead they wait until group 0 is in their quorum (at its outer sync), heal from it
     and train on with it. Then group 2, which takes 2 of the 4 micro-batches a step (the others 1), reaches the
-    last step's sync 1.5 s after them: they end the job without it, and it ends without writing that step again.
+    last step's sync 2 s after them: they end the job without it, and it ends without writing that step again.
     Every step is logged once, by one writer, on one share of the samples; the last checkpoint is never replaced."""
     address = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     light_log = open(tmp_path / "lighthouse.log", "wb")
     flags = ["--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"]
     light = start_ddptrain(["lighthouse", "--bind", address, *flags], stdout=light_log, stderr=subprocess.STDOUT)
-    shape = ["model.kwargs.step_sleep=0.3", "train.max_steps=10", "ckpt.every_steps=5"]  # 0.3 s a micro-batch
-    argv = ["train", *TOY, *shape, "train.diloco.every_steps=5", f"run.dir={run_dir}"]
+    shape = ["model.kwargs.step_sleep=0.25", "train.max_steps=16", "ckpt.every_steps=8"]  # 0.25 s a micro-batch
+    argv = ["train", *TOY, *shape, "train.diloco.every_steps=8", f"run.dir={run_dir}"]
     gate = tmp_path / "late-now"
     logs = [open(tmp_path / f"group{n}.log", "wb") for n in range(3)]
     commands = [[sys.executable, "-m", "ddptrain", *argv]] + [[sys.executable, "-c", HELD_BACK, str(gate), *argv]] * 2
@@ -507,18 +507,18 @@ def test_diloco_groups_that_start_late_wait_for_the_first_one_and_a_straggler_do
         for f in [*logs, light_log]:
             f.close()
     trained = [r for r in records(run_dir) if r["kind"] == "train"]
-    assert [r["step"] for r in trained] == list(range(1, 11))
+    assert [r["step"] for r in trained] == list(range(1, 17))
     events = [r for r in records(run_dir) if r["kind"] == "event"]
     quorums = [(e["groups"], e["step"]) for e in events if e.get("event") == "quorum"]
     assert quorums[0] == ([0], 1) and all(0 in groups for groups, _ in quorums), quorums  # no job without group 0
-    assert ([0, 1, 2], 6) in quorums and all(step % 5 == 1 for _, step in quorums), quorums
-    assert {r["world_size"] for r in trained if r["step"] <= 5} == {1}  # group 0 took every sample of them
-    assert {r["world_size"] for r in trained if r["step"] > 5} == {3}
+    assert ([0, 1, 2], 9) in quorums and all(step % 8 == 1 for _, step in quorums), quorums
+    assert {r["world_size"] for r in trained if r["step"] <= 8} == {1}  # group 0 took every sample of them
+    assert {r["world_size"] for r in trained if r["step"] > 8} == {3}
     heals = [e for e in events if e.get("event") == "heal"]
     assert sorted(e["replica_group"] for e in heals) == [1, 2] and all(e["verified"] for e in heals), heals
     certificate = [json.loads(line) for line in (run_dir / "certificate.jsonl").read_text().splitlines()]
-    assert [c["step"] for c in certificate] == list(range(1, 11))
+    assert [c["step"] for c in certificate] == list(range(1, 17))
     assert "heartbeat outside this quorum: waiting for them to join" in (tmp_path / "group1.log").read_text()
     straggler = (tmp_path / "group2.log").read_text()
-    assert "ended the job at step 10 without this group's last interval" in straggler, straggler[-3000:]
-    assert ([0, 1], 11) in quorums and not list(run_dir.rglob("*replaced-step*"))
+    assert "ended the job at step 16 without this group's last interval" in straggler, straggler[-3000:]
+    assert ([0, 1], 17) in quorums and not list(run_dir.rglob("*replaced-step*"))
