@@ -39,6 +39,7 @@ MODES = {
     ],
     "DiLoCo H=20": ["train.diloco.every_steps=20"],
     "DiLoCo H=50": ["train.diloco.every_steps=50"],
+    "DiLoCo H=50 int8": ["train.diloco.every_steps=50", "train.diloco.outer_dtype=int8"],
     "DiLoCo H=50 P=4 int8": [
         "train.diloco.every_steps=50",
         "train.diloco.fragments=4",
@@ -98,6 +99,14 @@ def job_args(opts: Options) -> list[str]:
         "log.certificate=false",
         "dist.startup_timeout_s=120",
     ]
+
+
+def measured_from(extra: list[str], steps: int) -> int:
+    """The step after which a mode's rate is measured: past the warm-up, and for DiLoCo with at least two intervals
+    from the record of its first outer sync on (step H, logged after it), so that the window holds one sync per H
+    steps (a window from the warm-up to the last step's sync would charge a sync to fewer than H steps)."""
+    every = next((int(a.split("=")[1]) for a in extra if a.startswith("train.diloco.every_steps=")), 0)
+    return every - 1 if every and steps >= 2 * every else WARM_STEPS
 
 
 def samples_per_s(records: list[dict[str, Any]], warm: int) -> float:
@@ -211,7 +220,7 @@ def run(opts: Options) -> tuple[list[Row], dict[str, Any]]:
             timeout_s = max(
                 900, 2 * (opts.steps or STEPS)
             )  # the synchronous fp32 job on the limited link: ~2.3 s a step
-            warm = 0 if opts.smoke else WARM_STEPS
+            warm = 0 if opts.smoke else measured_from(extra, opts.steps or STEPS)
             result = run_job(folder / slug, [*job_args(opts), *extra], limit, warm, timeout_s, hosts)
             if opts.smoke or r >= opts.warmup:
                 results[name].append(result)
