@@ -62,10 +62,10 @@ class DiLoCoConfig(Section):
         description="The outer SGD's learning rate on the groups' mean pseudo-gradient (1.0 with momentum 0: plain averaging of the groups' weights).",
     )
     outer_momentum: float = Field(
-        0.5,
+        0.3,
         ge=0,
         lt=1,
-        description="The outer SGD's Nesterov momentum; 0: none. 0.5 with outer_lr 0.7 came out best on runs of a few hundred steps; the papers' 0.9 suits thousands (docs/slow-links.md#diloco).",
+        description="The outer SGD's Nesterov momentum; 0: none. 0.3 with outer_lr 0.7 came out best on runs of a few hundred steps (the 3.2M GPT, 400 steps, 3 seeds); the papers' 0.9 suits thousands (docs/slow-links.md#diloco).",
     )
     groups: int = Field(
         0,
