@@ -89,7 +89,7 @@ def job_args(opts: Options) -> list[str]:
     return [
         f"data.dir={opts.data_dir}",
         *(GPT_TINY if opts.smoke else GPT_3M),
-        "data.micro_batch_size=16",
+        f"data.micro_batch_size={32 // (opts.hosts or HOSTS)}",  # one micro-batch a rank: 16 on 2 hosts, 8 on 4
         "train.global_batch_size=32",
         "train.warmup_steps=5",
         f"train.max_steps={steps}",

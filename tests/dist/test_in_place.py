@@ -493,7 +493,9 @@ def test_diloco_groups_that_start_late_wait_for_the_first_one_and_a_straggler_do
         for n, (command, log) in enumerate(zip(commands, logs)):
             groups.append(subprocess.Popen(command, env=ft_env(n, address), stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 90
-        while not [r for r in records(run_dir) if r["kind"] == "train"] or not gate.with_name("late-now.ready").exists():
+        while (
+            not [r for r in records(run_dir) if r["kind"] == "train"] or not gate.with_name("late-now.ready").exists()
+        ):
             assert time.monotonic() < deadline and groups[0].poll() is None, (tmp_path / "group0.log").read_text()
             time.sleep(0.02)
         gate.touch()  # group 0 is inside its first interval, alone
