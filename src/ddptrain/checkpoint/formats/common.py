@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,21 +15,22 @@ from ddptrain.checkpoint.formats.base import LOCAL_KEYS, OPTIONAL_LOCAL_KEYS, Re
 from ddptrain.checkpoint.manifest import FileEntry
 
 
-def to_cpu(obj: Any) -> Any:
-    """A deep copy with every tensor on the CPU: the snapshot an async save writes from.
-
-    Dicts keep their type and attributes (a state_dict is an OrderedDict with _metadata).
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+def map_tree(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """A copy of obj's dicts, lists and tuples with leaf() applied to everything else. Dicts keep their type and
+    attributes (a state_dict is an OrderedDict with _metadata)."""
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = to_cpu(v)
+            out[k] = map_tree(v, leaf)
         return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    if type(obj) in (list, tuple):
+        return type(obj)(map_tree(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor on the CPU: the snapshot an async save writes from."""
+    return map_tree(obj, lambda o: o.detach().to("cpu", copy=True) if isinstance(o, torch.Tensor) else o)
 
 
 def write_all(folder: Path, items: dict[str, Any], algorithm: str) -> dict[str, FileEntry]:

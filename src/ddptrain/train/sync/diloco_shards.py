@@ -16,12 +16,13 @@ Every function returns tensors that are not DTensors (DDP, one process) as they 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ddptrain.checkpoint.formats.common import map_tree
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -59,16 +60,7 @@ def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def local_tree(obj: Any) -> Any:
     """A copy of obj's dicts, lists and tuples with every DTensor replaced by its local shard (what torch.save
     keeps of a rank's own state); dicts keep their type and attributes (a state dict's _metadata)."""
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = local_tree(v)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(local_tree(v) for v in obj)
-    return obj
+    return map_tree(obj, lambda o: o.to_local() if isinstance(o, DTensor) else o)
 
 
 def as_dtensor(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
