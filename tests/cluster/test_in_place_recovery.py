@@ -117,22 +117,24 @@ def certificate(run_dir: Path) -> list[dict[str, Any]]:
 def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_heals(
     cluster: Cluster, tmp_path: Path
 ) -> None:
+    job = FaultTolerantJob(cluster, tmp_path)
+    job.start_lighthouse()
+    # Group 0's replacement does its imports first, beside the reference run, and is held back until the kill: the
+    # job starts only once it is ready, so however busy the machine, the kill comes early enough to leave the
+    # replacement most of the run to join (a replacement still importing when the kill came once joined too late).
+    gate = tmp_path / "replace-now"
+    replacement = job.start_group(0, gate)
     reference = tmp_path / "reference"
     done = run_ddptrain(["train", *TOY, f"run.dir={reference}"], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-
-    job = FaultTolerantJob(cluster, tmp_path)
-    job.start_lighthouse()
+    job.wait_for("the replacement's imports", gate.with_name(gate.name + ".ready").exists)
     job.wait_for(
         "the Lighthouse listening", lambda: f"{job.lighthouse} " in cluster.nodes[0].exec("ss", "-Hltn").stdout
     )
     # Both future donors carry a drill: the first state either sends is corrupted (it must be refused).
     pids = {0: job.start_group(0).pid}
     pids |= {g: job.start_group(g, DDPTRAIN_FT_INJECT="corrupt_send").pid for g in (1, 2)}
-    # Group 0's replacement imports meanwhile, held back until the kill (however busy the machine, it must be able
-    # to join before the end).
-    first, gate = job.groups[0], tmp_path / "replace-now"
-    job.start_group(0, gate)
+    first = job.groups[0]
     job.wait_for(
         "step 10 at full membership",
         lambda: any(r.get("step", 0) >= 10 and r.get("world_size") == 3 for r in job.records() if r["kind"] == "train"),
@@ -140,12 +142,12 @@ def test_a_group_killed_mid_step_leaves_the_others_training_and_its_replacement_
     for node in cluster.nodes:  # every server binds the host's address or loopback, never all interfaces
         assert listening(node) <= {node.addr, "127.0.0.1"}, (node.hostname, listening(node))
 
-    job.wait_for("the replacement's imports", gate.with_name(gate.name + ".ready").exists)
     # Killed the moment a step is seen committed: the survivors are somewhere in the next step (forward,
     # all-reduce, quorum or commit); every moment must give the same outcome, so none is drawn at random.
     first.send_signal(signal.SIGKILL)  # the group that writes the folder
     killed_at = time.time()
     first.wait(timeout=10)  # reaped, as a launcher would: its lease is then provably free
+    job.groups[0] = replacement
     # The survivors' first commit without group 0 records their quorum; the replacement starts then (not after
     # a guessed delay).
     job.wait_for("the quorum without group 0", lambda: any(r.get("left") == [0] for r in job.records()))
