@@ -303,8 +303,11 @@ def test_node_lost_then_back_elastic(cluster: Cluster, tmp_path: Path) -> None:
     assert job.wait(200) == {"node1": 0, "node2": 0}, job.output()
     last = job.records("train")[-1]
     assert (last["step"], last["world_size"], last["grad_accum"]) == (80, 2, 1)
-    alone_timeline, together_timeline = job.events("recovery")
-    assert alone_timeline["since"] == together_timeline["since"] == "failure_seen"
+    # One recovery for the loss and one for the return; a busy machine may add one between (a rendezvous round
+    # that a slow node missed), which the job rides out like the others.
+    timelines = job.events("recovery")
+    alone_timeline, together_timeline = timelines[0], timelines[-1]
+    assert len(timelines) >= 2 and {t["since"] for t in timelines} == {"failure_seen"}, timelines
     measured(
         "non-host node killed (--nnodes 1:2)",
         survivor_training_alone=alone,
