@@ -140,8 +140,9 @@ def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_chec
     donor = subprocess.Popen(
         argv, env=ft_env(1, lighthouse, DDPTRAIN_FT_INJECT="die_in_send"), stdout=logs[1], stderr=subprocess.STDOUT
     )
-    # The joiner imports torch meanwhile and starts training the moment the donor's checkpoint is durable: the
-    # donor must still be training when it joins, however slowly this machine starts an interpreter.
+    # The joiner imports torch meanwhile and starts training the moment the donor's checkpoint is durable and its
+    # imports are done: the donor must still be training when it joins, however slowly this machine starts an
+    # interpreter.
     gate = tmp_path / "join-now"
     joiner = subprocess.Popen(
         [sys.executable, "-c", HELD_BACK, str(gate), *argv[3:]],
@@ -150,7 +151,8 @@ def test_a_donor_dying_mid_heal_leaves_the_joiner_training_from_the_durable_chec
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 90
-    while not any(r.get("event") == "checkpoint" for r in records(run_dir)):
+    ready = gate.with_name(gate.name + ".ready")
+    while not (any(r.get("event") == "checkpoint" for r in records(run_dir)) and ready.exists()):
         assert time.monotonic() < deadline and donor.poll() is None, (tmp_path / "group1.log").read_text()[-3000:]
         time.sleep(0.1)
     gate.touch()
