@@ -427,7 +427,7 @@ def test_diloco_groups_lose_one_mid_sync_and_one_mid_interval_and_its_replacemen
 
     try:
         deadline = time.monotonic() + 90
-        wait_until(lambda: trained_since(0, world_size=2), 0)
+        wait_until(lambda: trained_since(0, world_size=2) and join.with_name("join-now.ready").exists(), 0)
         join.touch()  # groups 0 and 1 train together: group 2 joins (it will never be the lowest, writing group)
         assert groups[2].wait(timeout=90) == -signal.SIGKILL, (tmp_path / "group2.log").read_text()[-3000:]
         died_at = time.time()
