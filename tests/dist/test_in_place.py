@@ -276,7 +276,8 @@ def test_a_group_of_another_recipe_joining_a_training_job_is_refused_its_heal_an
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 90
-    while not any(r.get("step", 0) >= 3 for r in records(run_dir) if r["kind"] == "train"):
+    ready = gate.with_name(gate.name + ".ready")  # its imports done: it joins well before group 0's last step
+    while not (any(r.get("step", 0) >= 3 for r in records(run_dir) if r["kind"] == "train") and ready.exists()):
         assert time.monotonic() < deadline and job.poll() is None, (tmp_path / "group0.log").read_text()[-3000:]
         time.sleep(0.05)
     gate.touch()
