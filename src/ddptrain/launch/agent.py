@@ -49,6 +49,11 @@ from ddptrain.observe.recovery import AGENT_MARKS_ENV, encode_agent_marks
 FINAL_EXIT_CODES = (EXIT_PREEMPTED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_LEASE_LOST)
 
 
+# How long workers that stopped together (exit 75) without a signal to this launcher wait for a node in the
+# rendezvous's wait list before the stop counts as a preemption.
+NEWCOMER_RECHECK_S = 5.0
+
+
 class Agent(LocalElasticAgent):
     """torchrun's agent, plus: exit codes 75 and 2 end the job; stops wait --shutdown-timeout;
     a deadline on every phase that talks to the rendezvous store (see StallGuard)."""
@@ -89,15 +94,22 @@ class Agent(LocalElasticAgent):
         every other rank, so the workers here exit 75 too, possibly before this agent has seen the
         newcomer itself. That is a membership change, not a preemption: re-form the group. (A real
         preemption signals this launcher as well, which ends it before its workers are checked.)
-        The newcomer stays in the wait list until every old participant, this node included, has
-        left the round, so the check cannot miss it.
+        The wait list is read again for a few seconds before this is called a preemption: on a busy
+        machine the newcomer can miss a heartbeat and be dropped from it, or a read of the store can
+        fail, while the agent that stopped its workers for it is re-joining (the list then holds it).
         """
         if any(f.exitcode != EXIT_PREEMPTED for f in result.failures.values()):
             return False
-        try:
-            return self._worker_group.spec.rdzv_handler.num_nodes_waiting() > 0
-        except Exception:  # noqa: BLE001 - the rendezvous being unreachable is for the stall guard
-            return False
+        deadline = time.monotonic() + NEWCOMER_RECHECK_S
+        while True:
+            try:
+                if self._worker_group.spec.rdzv_handler.num_nodes_waiting() > 0:
+                    return True
+            except Exception:  # noqa: BLE001 - a store unreachable for long is for the stall guard
+                pass
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.recovery_marks.setdefault("failure_seen", time.time())  # or a node waiting to join
